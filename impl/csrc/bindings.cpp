@@ -1,0 +1,22 @@
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/variant.h>
+
+#include "kernel.h"
+#include "paged_attention.h"
+#include "thread_pool.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_kernels, m) {
+  m.doc() = "pagecheck CPU kernels: paged attention over an MLX page pool";
+  m.def("paged_attention", &pagecheck::paged_attention, "query"_a, "key_pages"_a, "value_pages"_a,
+        "block_table"_a, "context_lens"_a, "page_size"_a, "scale"_a, "causal"_a, "window"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "Unvalidated entry point; call impl.paged_attention instead.");
+  m.def("num_threads", &pagecheck::num_threads, "Worker threads used by the kernels.");
+  m.def("set_num_threads", &pagecheck::set_num_threads, "n"_a, "Set the kernels' worker count.");
+  m.attr("CHUNK") = pagecheck::kChunk;
+  m.attr("LANES") = pagecheck::kLanes;
+  m.attr("DECODE_MAX_L") = pagecheck::kDecodeMaxL;
+}

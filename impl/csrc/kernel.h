@@ -1,0 +1,195 @@
+// What both schedules share: the problem description, the walk through the block
+// table, and the per-chunk attention of a group of query rows.
+//
+//   symbol        meaning                                    layout
+//   q             newest L positions of each request         [B, Hq, L, D]
+//   k/v pool      the layer's pages                           [P, Hkv, page_size, D]
+//   block_table   request b, logical page i -> physical page  int32 [B, max_pages]
+//   context_lens  valid positions of request b (L included)   int32 [B]
+//   out           attention output                            [B, Hq, L, D]
+//
+// Query row l of request b sits at absolute position p = ctx - L + l. Causal: keys
+// j <= p; with window w also j > p - w. Query head h reads KV head h / (Hq / Hkv).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "numerics.h"
+
+namespace pagecheck {
+
+// Query lengths up to this use the decode schedule (chunk-parallel); longer ones the
+// prefill schedule (query blocks). Both give the same bits per row.
+constexpr int kDecodeMaxL = 8;
+
+struct Problem {
+  int B, Hq, Hkv, L, D, P, page_size, max_pages;
+  float qk_scale;  // scale * log2(e): scores live in the log2 domain
+  bool causal;
+  int window;  // 0: no window
+  const int32_t* block_table;
+  const int32_t* context_lens;
+
+  int group() const { return Hq / Hkv; }
+  int context(int b) const { return context_lens[b]; }
+
+  // Visible keys [lo, hi) of query row l of a request holding ctx positions.
+  void span(int ctx, int l, int& lo, int& hi) const {
+    if (!causal) {
+      lo = 0;
+      hi = ctx;
+      return;
+    }
+    const int p = ctx - L + l;
+    hi = p + 1;
+    lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+  }
+
+  // Element offset of the first query / output element of (b, h, l).
+  int64_t query_offset(int b, int h, int l) const {
+    return ((static_cast<int64_t>(b) * Hq + h) * L + l) * D;
+  }
+};
+
+// Whether request b can be computed without reading outside the pool. The Python
+// layer rejects such input with a specific error before it gets here; this is the
+// memory-safety net for a caller that bypasses it: such a request's output is NaN.
+inline bool request_is_safe(const Problem& pr, int b) {
+  const int ctx = pr.context(b);
+  if (ctx < 0 || (ctx > 0 && ctx < pr.L)) return false;
+  const int64_t pages = (static_cast<int64_t>(ctx) + pr.page_size - 1) / pr.page_size;
+  if (pages > pr.max_pages) return false;
+  const int32_t* row = pr.block_table + static_cast<int64_t>(b) * pr.max_pages;
+  for (int64_t i = 0; i < pages; ++i) {
+    if (row[i] < 0 || row[i] >= pr.P) return false;
+  }
+  return true;
+}
+
+// Element offsets of the K/V rows of keys [j0, j1) of request b, KV head g. One
+// block-table lookup per page touched: a chunk that lies inside one page costs one.
+// Offsets are 64-bit: page * page_stride passes 2^31 elements in large pools.
+inline void resolve_rows(const Problem& pr, int b, int g, int j0, int j1, int64_t* off) {
+  const int ps = pr.page_size;
+  const int32_t* row = pr.block_table + static_cast<int64_t>(b) * pr.max_pages;
+  const int64_t page_stride = static_cast<int64_t>(pr.Hkv) * ps * pr.D;
+  const int64_t head = static_cast<int64_t>(g) * ps * pr.D;
+  int j = j0;
+  while (j < j1) {
+    const int logical = j / ps;
+    const int64_t base = static_cast<int64_t>(row[logical]) * page_stride + head;
+    const int end = std::min(j1, (logical + 1) * ps);
+    for (int slot = j % ps; j < end; ++j, ++slot) off[j - j0] = base + static_cast<int64_t>(slot) * pr.D;
+  }
+}
+
+// Widen query rows to float32 into q32 (rows x D). rows[r] = (h, l) of row r.
+template <class E>
+inline void load_query_rows(const Problem& pr, const typename E::T* q, int b, const int* heads,
+                            const int* positions, int rows, float* q32) {
+  for (int r = 0; r < rows; ++r) {
+    const typename E::T* src = q + pr.query_offset(b, heads[r], positions[r]);
+    for (int d = 0; d < pr.D; ++d) q32[static_cast<int64_t>(r) * pr.D + d] = E::load(src[d]);
+  }
+}
+
+// Per-thread working memory, grown on demand and reused across calls.
+struct Scratch {
+  std::vector<float> q32, scores, chunk_ml, chunk_o, acc_ml, acc_o;
+  std::vector<int64_t> off;
+  std::vector<int> heads, positions, lo, hi, clo, chi;
+
+  void reserve(int rows, int D) {
+    const size_t r = static_cast<size_t>(rows);
+    q32.resize(r * D);
+    scores.resize(r * kChunk);
+    chunk_ml.resize(r * 2);
+    chunk_o.resize(r * D);
+    acc_ml.resize(r * 2);
+    acc_o.resize(r * D);
+    off.resize(kChunk);
+    for (auto* v : {&heads, &positions, &lo, &hi, &clo, &chi}) v->resize(r);
+  }
+  static Scratch& local() {
+    thread_local Scratch s;
+    return s;
+  }
+};
+
+// Attention of `rows` query rows over the keys of chunk c (positions [c0, c0 + kChunk)).
+// clo/chi: each row's visible keys clipped to the chunk (clo >= chi: none). off: row
+// offsets of keys [jlo, jhi), the union of the rows' spans. Writes each row's chunk
+// state: ml[2r] = m, ml[2r+1] = l (0 when the row sees no key here), o[r*D ...].
+// Masked keys are never read: their K/V slots may hold NaN (REFERENCE.md invariant 9).
+template <class E>
+void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename E::T* vpool,
+                  const int64_t* off, int jlo, int jhi, const float* q32, int rows,
+                  const int* clo, const int* chi, float* scores, float* ml, float* o) {
+  const int D = pr.D;
+  for (int r = 0; r < rows; ++r) {
+    ml[2 * r] = kNegInf;
+    ml[2 * r + 1] = 0.f;
+    std::fill(o + static_cast<int64_t>(r) * D, o + static_cast<int64_t>(r + 1) * D, 0.f);
+  }
+  // Scores: each K row is loaded once and used by every row of the group.
+  for (int j = jlo; j < jhi; ++j) {
+    const typename E::T* k = kpool + off[j - jlo];
+    for (int r = 0; r < rows; ++r) {
+      if (clo[r] <= j && j < chi[r]) {
+        scores[static_cast<int64_t>(r) * kChunk + (j - jlo)] =
+            dot16<E>(q32 + static_cast<int64_t>(r) * D, k, D) * pr.qk_scale;
+      }
+    }
+  }
+  // Softmax numerators and denominators, per row, over its visible keys only.
+  for (int r = 0; r < rows; ++r) {
+    if (clo[r] >= chi[r]) continue;
+    float* s = scores + static_cast<int64_t>(r) * kChunk;
+    const int a = clo[r] - jlo, z = chi[r] - jlo;
+    float m = s[a];
+    for (int i = a + 1; i < z; ++i) m = s[i] > m ? s[i] : m;
+    for (int i = a; i < z; ++i) s[i] = exp2_nonpositive(s[i] - m);
+    float l = 0.f;
+    for (int i = a; i < z; ++i) l += s[i];
+    ml[2 * r] = m;
+    ml[2 * r + 1] = l;
+  }
+  // Weighted values: each V row is loaded once, ascending j for every row.
+  for (int j = jlo; j < jhi; ++j) {
+    const typename E::T* v = vpool + off[j - jlo];
+    for (int r = 0; r < rows; ++r) {
+      if (clo[r] <= j && j < chi[r]) {
+        axpy<E>(scores[static_cast<int64_t>(r) * kChunk + (j - jlo)], v,
+                o + static_cast<int64_t>(r) * D, D);
+      }
+    }
+  }
+}
+
+// Clip every row's span to chunk c; returns the union [jlo, jhi) (empty: jlo >= jhi).
+inline void clip_to_chunk(int c, int rows, const int* lo, const int* hi, int* clo, int* chi,
+                          int& jlo, int& jhi) {
+  const int c0 = c * kChunk, c1 = c0 + kChunk;
+  jlo = c1;
+  jhi = c0;
+  for (int r = 0; r < rows; ++r) {
+    clo[r] = std::max(lo[r], c0);
+    chi[r] = std::min(hi[r], c1);
+    if (clo[r] < chi[r]) {
+      jlo = std::min(jlo, clo[r]);
+      jhi = std::max(jhi, chi[r]);
+    }
+  }
+}
+
+template <class E>
+void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
+                const typename E::T* vpool, typename E::T* out, const std::vector<int>& live);
+
+template <class E>
+void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
+                 const typename E::T* vpool, typename E::T* out, const std::vector<int>& live);
+
+}  // namespace pagecheck

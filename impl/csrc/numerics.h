@@ -1,0 +1,168 @@
+// The canonical arithmetic of the paged-attention kernels.
+//
+// Both schedules (decode, prefill) compute every query row with exactly the
+// functions in this header, in exactly the same order, so a row's output bits
+// depend only on that row's query, keys and values (REFERENCE.md invariants 6-8):
+//
+//   score    s_j = dot16(q, k_j) * (scale * log2 e)     dot16: 16 lanes over d, fixed tree
+//   chunk    keys are cut at absolute positions that are multiples of kChunk;
+//            per chunk: m = max s_j, p_j = exp2(s_j - m), l = sum p_j (ascending j),
+//            o = sum p_j v_j (ascending j, one fused multiply-add per term)
+//   merge    chunk states are folded in ascending chunk order, starting from the first
+//   finish   out = o * (1 / l), cast once to the output dtype
+//
+// The build uses -ffp-contract=off and no -ffast-math, so the compiler may vectorize
+// these loops but never reorder or fuse their floating-point operations.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace pagecheck {
+
+// Keys per chunk. A chunk is the unit of decode parallelism and the key tile of the
+// prefill; its boundaries are absolute positions, never derived from the batch,
+// the thread count or the query length ("batch-dependent split size" is a bug).
+constexpr int kChunk = 256;
+// Lanes of the score dot product (one AVX-512 register of floats).
+constexpr int kLanes = 16;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Fused where the hardware fuses; otherwise multiply then add. Chosen here, once,
+// never by the compiler, so every call site rounds the same way.
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__) || defined(__aarch64__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// 2^x for the arguments the kernels produce (x <= 0: a score minus a running max).
+// Round-to-nearest split x = n + f, |f| <= 1/2, and Cephes' exp2f minimax polynomial
+// for 2^f (relative error about 2e-7). exp2(0) is exactly 1; x < -126 gives 0;
+// NaN stays NaN so poisoned inputs are never hidden.
+inline float exp2_nonpositive(float x) {
+  const float xc = x >= -127.f ? x : -127.f;  // NaN also lands here, result chosen below
+  const float r = (xc + 12582912.f) - 12582912.f;  // 1.5 * 2^23: round to integer
+  const float f = xc - r;
+  float p = 1.535336188319500e-4f;
+  p = fmadd(p, f, 1.339887440266574e-3f);
+  p = fmadd(p, f, 9.618437357674640e-3f);
+  p = fmadd(p, f, 5.550332471162809e-2f);
+  p = fmadd(p, f, 2.402264791363012e-1f);
+  p = fmadd(p, f, 6.931472028550421e-1f);
+  p = fmadd(p, f, 1.0f);
+  const int32_t n = static_cast<int32_t>(r);
+  const float two_n = bits_to_float(static_cast<uint32_t>(n + 127) << 23);
+  const float y = p * two_n;
+  return x >= -126.f ? y : (x < -126.f ? 0.f : x);
+}
+
+// Element types of the pools, the query and the output. load() widens to float
+// exactly; store() rounds to nearest even, once, at the very end.
+struct F32 {
+  using T = float;
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static float load(uint16_t x) { return bits_to_float(uint32_t(x) << 16); }
+  static uint16_t store(float x) {
+    if (x != x) return 0x7FC0;
+    uint32_t u = float_to_bits(x);
+    u += ((u >> 16) & 1u) + 0x7FFFu;
+    return static_cast<uint16_t>(u >> 16);
+  }
+};
+
+struct F16 {
+  using T = uint16_t;
+  static float load(uint16_t x) {
+    _Float16 h;
+    std::memcpy(&h, &x, sizeof h);
+    return static_cast<float>(h);
+  }
+  static uint16_t store(float x) {
+    const _Float16 h = static_cast<_Float16>(x);
+    uint16_t u;
+    std::memcpy(&u, &h, sizeof u);
+    return u;
+  }
+};
+
+// The score dot product: lane i accumulates d = i, i+16, i+32, ... in ascending
+// order (a short D leaves the upper lanes at zero), then the lanes are folded by
+// halving: i += i+8, i += i+4, i += i+2, i += i+1.
+template <class E>
+inline float dot16(const float* q, const typename E::T* k, int D) {
+  float acc[kLanes] = {};
+  int d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    for (int i = 0; i < kLanes; ++i) acc[i] = fmadd(q[d + i], E::load(k[d + i]), acc[i]);
+  }
+  for (int i = 0; d + i < D; ++i) acc[i] = fmadd(q[d + i], E::load(k[d + i]), acc[i]);
+  for (int w = kLanes / 2; w >= 1; w /= 2) {
+    for (int i = 0; i < w; ++i) acc[i] += acc[i + w];
+  }
+  return acc[0];
+}
+
+// o[d] += p * v[d], one fused multiply-add per element.
+template <class E>
+inline void axpy(float p, const typename E::T* v, float* o, int D) {
+  for (int d = 0; d < D; ++d) o[d] = fmadd(p, E::load(v[d]), o[d]);
+}
+
+// The softmax state of one query row over some keys: running max m (log2 domain),
+// denominator l and unnormalized output o[D]. l == 0 marks "no key seen".
+struct RowState {
+  float* m;
+  float* l;
+  float* o;
+};
+
+// Fold a chunk's state into the accumulated one. The first chunk is copied, so the
+// result never depends on an identity element or on -inf arithmetic.
+inline void merge_state(float& acc_m, float& acc_l, float* acc_o, float part_m, float part_l,
+                        const float* part_o, int D) {
+  if (part_l == 0.f) return;
+  if (acc_l == 0.f) {
+    acc_m = part_m;
+    acc_l = part_l;
+    for (int d = 0; d < D; ++d) acc_o[d] = part_o[d];
+    return;
+  }
+  const float m = acc_m > part_m ? acc_m : part_m;
+  const float a = exp2_nonpositive(acc_m - m);
+  const float b = exp2_nonpositive(part_m - m);
+  acc_m = m;
+  acc_l = fmadd(part_l, b, acc_l * a);
+  for (int d = 0; d < D; ++d) acc_o[d] = fmadd(part_o[d], b, acc_o[d] * a);
+}
+
+// out = o * (1 / l), cast once. A row that saw no key is an empty batch slot: zeros.
+template <class E>
+inline void finish_row(float l, const float* o, typename E::T* out, int D) {
+  const float inv = l == 0.f ? 0.f : 1.f / l;
+  for (int d = 0; d < D; ++d) out[d] = E::store(o[d] * inv);
+}
+
+}  // namespace pagecheck

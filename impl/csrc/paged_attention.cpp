@@ -1,0 +1,124 @@
+#include "paged_attention.h"
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+#include "kernel.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace pagecheck {
+
+namespace {
+
+void require(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(std::string("pagecheck._kernels.paged_attention: ") + what);
+}
+
+template <class E>
+void run(const Problem& pr, const mx::array& q, const mx::array& kp, const mx::array& vp,
+         mx::array& out) {
+  using T = typename E::T;
+  const T* qd = q.data<T>();
+  const T* kd = kp.data<T>();
+  const T* vd = vp.data<T>();
+  T* od = out.data<T>();
+  std::vector<int> live;
+  for (int b = 0; b < pr.B; ++b) {
+    const int64_t first = pr.query_offset(b, 0, 0), count = static_cast<int64_t>(pr.Hq) * pr.L * pr.D;
+    if (!request_is_safe(pr, b)) {
+      std::fill(od + first, od + first + count, E::store(std::numeric_limits<float>::quiet_NaN()));
+    } else if (pr.context(b) == 0) {
+      std::fill(od + first, od + first + count, E::store(0.f));  // empty batch slot
+    } else {
+      live.push_back(b);
+    }
+  }
+  if (live.empty()) return;
+  if (pr.L <= kDecodeMaxL) {
+    run_decode<E>(pr, qd, kd, vd, od, live);
+  } else {
+    run_prefill<E>(pr, qd, kd, vd, od, live);
+  }
+}
+
+}  // namespace
+
+mx::array paged_attention(const mx::array& query, const mx::array& key_pages,
+                          const mx::array& value_pages, const mx::array& block_table,
+                          const mx::array& context_lens, int page_size, float scale, bool causal,
+                          int window, mx::StreamOrDevice s) {
+  require(query.ndim() == 4, "query must be [B, Hq, L, D]");
+  require(key_pages.ndim() == 4, "key_pages must be [P, Hkv, page_size, D]");
+  require(value_pages.shape() == key_pages.shape(), "value_pages must match key_pages");
+  const mx::Dtype dt = query.dtype();
+  require(dt == mx::float32 || dt == mx::float16 || dt == mx::bfloat16, "dtype must be f32/f16/bf16");
+  require(key_pages.dtype() == dt && value_pages.dtype() == dt, "pools must have the query's dtype");
+  require(block_table.ndim() == 2 && block_table.dtype() == mx::int32, "block_table must be int32 [B, max_pages]");
+  require(context_lens.ndim() == 1 && context_lens.dtype() == mx::int32, "context_lens must be int32 [B]");
+  const int B = query.shape(0), Hq = query.shape(1), D = query.shape(3);
+  require(block_table.shape(0) == B && context_lens.shape(0) == B, "metadata batch size differs from query");
+  require(key_pages.shape(1) >= 1 && Hq % key_pages.shape(1) == 0, "Hq must be a multiple of Hkv");
+  require(key_pages.shape(3) == D && D >= 1, "head dim differs between query and pools");
+  require(page_size >= 1 && key_pages.shape(2) == page_size, "page_size differs from the pool");
+  require(window >= 0 && std::isfinite(scale), "window must be >= 0 and scale finite");
+
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs;
+  for (const auto* a : {&query, &key_pages, &value_pages, &block_table, &context_lens}) {
+    inputs.push_back(mx::contiguous(*a, false, stream));
+  }
+  return mx::array(query.shape(), dt,
+                   std::make_shared<PagedAttention>(stream, page_size, scale, causal, window),
+                   std::move(inputs));
+}
+
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
+                    kp = mx::array::unsafe_weak_copy(inputs[1]),
+                    vp = mx::array::unsafe_weak_copy(inputs[2]),
+                    bt = mx::array::unsafe_weak_copy(inputs[3]),
+                    cl = mx::array::unsafe_weak_copy(inputs[4]),
+                    out = mx::array::unsafe_weak_copy(out), page_size = page_size_,
+                    scale = scale_, causal = causal_, window = window_]() mutable {
+    if (out.size() == 0) return;
+    Problem pr{};
+    pr.B = q.shape(0);
+    pr.Hq = q.shape(1);
+    pr.L = q.shape(2);
+    pr.D = q.shape(3);
+    pr.P = kp.shape(0);
+    pr.Hkv = kp.shape(1);
+    pr.page_size = page_size;
+    pr.max_pages = bt.shape(1);
+    pr.qk_scale = scale * kLog2e;
+    pr.causal = causal;
+    pr.window = window;
+    pr.block_table = bt.data<int32_t>();
+    pr.context_lens = cl.data<int32_t>();
+    switch (q.dtype()) {
+      case mx::float32: run<F32>(pr, q, kp, vp, out); break;
+      case mx::bfloat16: run<BF16>(pr, q, kp, vp, out); break;
+      default: run<F16>(pr, q, kp, vp, out); break;
+    }
+  });
+}
+
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(
+      "pagecheck: paged_attention has no GPU kernel in this build (CPU only); "
+      "run it on the CPU stream (mx.cpu) — there is no silent dense fallback");
+}
+
+bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PagedAttention&>(other);
+  return page_size_ == o.page_size_ && scale_ == o.scale_ && causal_ == o.causal_ &&
+         window_ == o.window_;
+}
+
+}  // namespace pagecheck

@@ -1,0 +1,85 @@
+// Prefill schedule (L > 8): a block of query positions against the K/V chunks it can
+// see, chunk after chunk, each chunk's state folded into the rows' running state.
+//
+// Work item: (request b, KV head g, block of kQueryBlock positions), i.e. up to
+// kQueryBlock * G query rows sharing every K/V row they load. Chunks wholly past the
+// block's last visible key (causal) or before its first (window) are never visited.
+// The per-row arithmetic is attend_chunk + merge_state in ascending chunk order, the
+// same calls the decode schedule makes, so the last row of a prefill equals a
+// one-token decode at that position bit for bit (REFERENCE.md invariant 8).
+#include "kernel.h"
+#include "thread_pool.h"
+
+namespace pagecheck {
+
+namespace {
+
+constexpr int kQueryBlock = 16;
+
+struct BlockTask {
+  int b, g, l0, nq;
+};
+
+}  // namespace
+
+template <class E>
+void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
+                 const typename E::T* vpool, typename E::T* out, const std::vector<int>& live) {
+  const int G = pr.group(), D = pr.D;
+  std::vector<BlockTask> tasks;
+  for (int b : live) {
+    for (int g = 0; g < pr.Hkv; ++g) {
+      for (int l0 = 0; l0 < pr.L; l0 += kQueryBlock) {
+        tasks.push_back({b, g, l0, std::min(kQueryBlock, pr.L - l0)});
+      }
+    }
+  }
+
+  parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    const BlockTask& task = tasks[t];
+    const int R = G * task.nq;
+    Scratch& s = Scratch::local();
+    s.reserve(R, D);
+    const int ctx = pr.context(task.b);
+    int lo_min = ctx, hi_max = 0;
+    for (int hg = 0; hg < G; ++hg) {
+      for (int i = 0; i < task.nq; ++i) {
+        const int r = hg * task.nq + i;
+        s.heads[r] = task.g * G + hg;
+        s.positions[r] = task.l0 + i;
+        pr.span(ctx, task.l0 + i, s.lo[r], s.hi[r]);
+        lo_min = std::min(lo_min, s.lo[r]);
+        hi_max = std::max(hi_max, s.hi[r]);
+        s.acc_ml[2 * r] = kNegInf;
+        s.acc_ml[2 * r + 1] = 0.f;
+      }
+    }
+    load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), R, s.q32.data());
+    for (int c = lo_min / kChunk; c <= (hi_max - 1) / kChunk; ++c) {
+      int jlo, jhi;
+      clip_to_chunk(c, R, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
+      if (jlo >= jhi) continue;
+      resolve_rows(pr, task.b, task.g, jlo, jhi, s.off.data());
+      attend_chunk<E>(pr, kpool, vpool, s.off.data(), jlo, jhi, s.q32.data(), R, s.clo.data(),
+                      s.chi.data(), s.scores.data(), s.chunk_ml.data(), s.chunk_o.data());
+      for (int r = 0; r < R; ++r) {
+        merge_state(s.acc_ml[2 * r], s.acc_ml[2 * r + 1], s.acc_o.data() + static_cast<int64_t>(r) * D,
+                    s.chunk_ml[2 * r], s.chunk_ml[2 * r + 1],
+                    s.chunk_o.data() + static_cast<int64_t>(r) * D, D);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      finish_row<E>(s.acc_ml[2 * r + 1], s.acc_o.data() + static_cast<int64_t>(r) * D,
+                    out + pr.query_offset(task.b, s.heads[r], s.positions[r]), D);
+    }
+  });
+}
+
+template void run_prefill<F32>(const Problem&, const float*, const float*, const float*, float*,
+                               const std::vector<int>&);
+template void run_prefill<BF16>(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*,
+                                uint16_t*, const std::vector<int>&);
+template void run_prefill<F16>(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*,
+                               uint16_t*, const std::vector<int>&);
+
+}  // namespace pagecheck

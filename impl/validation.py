@@ -1,0 +1,200 @@
+"""Checks of the operator contract (REFERENCE.md section 1), split by cost.
+
+`check_arrays` and `check_options` look only at shapes, dtypes and Python values: no
+host sync. `PagedMetadata.build` checks the values of `block_table` and
+`context_lens` (negative or short contexts, tables too short, page ids outside the
+pool); it reads them on the host once. The serving path builds one `PagedMetadata` per
+scheduler step, from host arrays it already holds, and reuses it for every layer.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import ContractViolation
+
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes read off the arrays: batch, heads, query length, head dim, pool."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    query_len: int
+    head_dim: int
+    num_pages: int
+    page_size: int
+    max_pages: int
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def _require_array(name, x):
+    if not isinstance(x, mx.array):
+        raise ContractViolation("type", f"{name} must be an mlx.core.array, got {type(x).__name__}")
+
+
+def _require_rank(name, x, rank, layout):
+    if x.ndim != rank:
+        raise ContractViolation("rank", f"{name} must be {rank}-D {layout}; got shape {tuple(x.shape)}")
+
+
+def _int_arg(name, value, clause):
+    if isinstance(value, bool):
+        raise ContractViolation(clause, f"{name} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ContractViolation(clause, f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def check_arrays(query, key_pages, value_pages, block_table, context_lens, page_size) -> Geometry:
+    """Shape and dtype rules; raises ContractViolation naming the argument."""
+    for name, x in (("query", query), ("key_pages", key_pages), ("value_pages", value_pages),
+                    ("block_table", block_table), ("context_lens", context_lens)):
+        _require_array(name, x)
+    _require_rank("query", query, 4, "[B, Hq, L, D]")
+    _require_rank("key_pages", key_pages, 4, "[P, Hkv, page_size, D]")
+    _require_rank("value_pages", value_pages, 4, "[P, Hkv, page_size, D]")
+    _require_rank("block_table", block_table, 2, "[B, max_pages]")
+    _require_rank("context_lens", context_lens, 1, "[B]")
+    if query.dtype not in FLOAT_DTYPES:
+        raise ContractViolation("dtype", f"query dtype {_dtype_name(query.dtype)} is not supported (float32, float16, bfloat16)")
+    for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
+        if x.dtype != query.dtype:
+            raise ContractViolation("dtype", f"{name} dtype {_dtype_name(x.dtype)} differs from query dtype "
+                                             f"{_dtype_name(query.dtype)}")
+    for name, x in (("block_table", block_table), ("context_lens", context_lens)):
+        if x.dtype != mx.int32:
+            raise ContractViolation("metadata_dtype", f"{name} must be int32, got {_dtype_name(x.dtype)}")
+    B, Hq, L, D = query.shape
+    P, Hkv, slots, Dk = key_pages.shape
+    if tuple(value_pages.shape) != tuple(key_pages.shape):
+        raise ContractViolation("shape", f"value_pages shape {tuple(value_pages.shape)} differs from "
+                                         f"key_pages shape {tuple(key_pages.shape)}")
+    if Dk != D or D < 1:
+        raise ContractViolation("shape", f"head dim differs: query D={D}, key_pages D={Dk}")
+    for name, x in (("block_table", block_table), ("context_lens", context_lens)):
+        if x.shape[0] != B:
+            raise ContractViolation("shape", f"{name} has {x.shape[0]} rows but query has B={B} requests")
+    if Hkv < 1 or Hq % Hkv != 0:
+        raise ContractViolation("heads", f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    page_size = _int_arg("page_size", page_size, "page_size")
+    if page_size < 1:
+        raise ContractViolation("page_size", f"page_size must be >= 1, got {page_size}")
+    if page_size != slots:
+        raise ContractViolation("page_size", f"page_size={page_size} disagrees with key_pages.shape[2]={slots}")
+    return Geometry(B, Hq, Hkv, L, D, P, page_size, block_table.shape[1])
+
+
+def check_options(head_dim: int, scale, mask, window) -> tuple[float, bool, int]:
+    """Returns (scale, causal, window) with window 0 meaning none."""
+    if scale is None:
+        scale = head_dim ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise ContractViolation("scale", f"scale must be a float, got {type(scale).__name__} {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale) or abs(scale) > np.finfo(np.float32).max:
+        raise ContractViolation("scale", f"scale must be a finite float32 value, got {scale!r}")
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        raise ContractViolation("mask", f"mask must be 'causal' or None, got {mask!r}")
+    causal = mask is not None
+    if window is None:
+        return scale, causal, 0
+    window = _int_arg("window", window, "window")
+    if window < 1:
+        raise ContractViolation("window", f"window must be >= 1 or None, got {window}")
+    if not causal:
+        raise ContractViolation("window", f"window={window} needs mask='causal' (got mask=None)")
+    if window > np.iinfo(np.int32).max:
+        raise ContractViolation("window", f"window={window} does not fit in int32")
+    return scale, causal, window
+
+
+def check_metadata_values(block_table: np.ndarray, context_lens: np.ndarray, *, page_size: int,
+                          num_pages: int, query_len: int) -> None:
+    """Value rules on host copies of the metadata; raises naming the request / page."""
+    max_pages = block_table.shape[1]
+    for b, ctx in enumerate(context_lens.tolist()):
+        if ctx < 0:
+            raise ContractViolation("context_negative", f"context_lens[{b}] = {ctx} is negative")
+        if 0 < ctx < query_len:
+            raise ContractViolation("context_short", f"context_lens[{b}] = {ctx} is shorter than the query "
+                                    f"length L={query_len}: a non-empty request holds its L new positions")
+        pages = -(-ctx // page_size)
+        if pages > max_pages:
+            raise ContractViolation("table_short", f"request {b} needs {pages} pages (context {ctx}, page_size "
+                                    f"{page_size}) but block_table rows hold max_pages={max_pages}")
+        row = block_table[b, :pages]
+        bad = np.flatnonzero((row < 0) | (row >= num_pages))
+        if bad.size:
+            i = int(bad[0])
+            raise ContractViolation("page_id", f"block_table[{b}, {i}] = {int(row[i])} is outside the pool "
+                                    f"[0, {num_pages}) (request {b} reads logical page {i})")
+
+
+def _host_int32(name, x) -> np.ndarray:
+    if isinstance(x, mx.array):
+        if x.dtype != mx.int32:
+            raise ContractViolation("metadata_dtype", f"{name} must be int32, got {_dtype_name(x.dtype)}")
+        return np.array(x, copy=True)
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.int32:
+            raise ContractViolation("metadata_dtype", f"{name} must be int32, got {x.dtype}")
+        return x.copy()
+    raise ContractViolation("type", f"{name} must be an mlx.core.array or numpy int32 array, got {type(x).__name__}")
+
+
+@dataclass(frozen=True, eq=False)
+class PagedMetadata:
+    """Block table and context lengths whose values were checked once.
+
+    Build it with `PagedMetadata.build` (one host read at most; none from numpy
+    input) and pass it to `paged_attention_with_metadata` for every layer of a step:
+    each call then checks only shapes, never values.
+    """
+
+    block_table: mx.array
+    context_lens: mx.array
+    block_table_host: np.ndarray
+    context_lens_host: np.ndarray
+    page_size: int
+    num_pages: int
+    query_len: int
+
+    @property
+    def batch(self) -> int:
+        return self.block_table_host.shape[0]
+
+    @classmethod
+    def build(cls, block_table, context_lens, *, page_size: int, num_pages: int, query_len: int) -> PagedMetadata:
+        bt = _host_int32("block_table", block_table)
+        cl = _host_int32("context_lens", context_lens)
+        if bt.ndim != 2 or cl.ndim != 1 or bt.shape[0] != cl.shape[0]:
+            raise ContractViolation("shape", f"block_table {bt.shape} and context_lens {cl.shape} must be "
+                                    "[B, max_pages] and [B]")
+        page_size = _int_arg("page_size", page_size, "page_size")
+        if page_size < 1:
+            raise ContractViolation("page_size", f"page_size must be >= 1, got {page_size}")
+        check_metadata_values(bt, cl, page_size=page_size, num_pages=num_pages, query_len=query_len)
+        bt.setflags(write=False)
+        cl.setflags(write=False)
+        return cls(mx.array(bt), mx.array(cl), bt, cl, page_size, int(num_pages), int(query_len))
+
+    def check_matches(self, geom: Geometry) -> None:
+        """Shapes of this call against what the values were checked for."""
+        expected = (self.batch, self.query_len, self.num_pages, self.page_size)
+        actual = (geom.batch, geom.query_len, geom.num_pages, geom.page_size)
+        if expected != actual:
+            raise ContractViolation("metadata_stale", f"metadata was validated for (B, L, P, page_size) = "
+                                    f"{expected} but this call has {actual}")

@@ -1,0 +1,52 @@
+"""One output against all four oracles under the tolerance rule.
+
+`float64` is the reference. Each MLX oracle must itself pass the rule against it (so a
+broken oracle is reported as such), and the output must be within the allowance plus
+that oracle's own error of each MLX oracle (triangle inequality).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from . import MLX_ORACLES, float64
+from .tolerance import Verdict, allowed_error, max_abs_error
+
+
+@dataclass(frozen=True)
+class Comparison:
+    against_float64: Verdict
+    oracle_self: dict  # name -> Verdict of that oracle against float64
+    against_oracle: dict  # name -> Verdict of the output against that oracle
+
+    def failures(self) -> list[str]:
+        bad = [f"oracle {n} itself: {v}" for n, v in self.oracle_self.items() if not v.ok]
+        if not self.against_float64.ok:
+            bad.append(f"vs float64: {self.against_float64}")
+        bad += [f"vs {n}: {v}" for n, v in self.against_oracle.items() if not v.ok]
+        return bad
+
+
+def value_scale(value_pages) -> float:
+    v = np.array(value_pages.astype(mx.float32))
+    finite = np.abs(v[np.isfinite(v)])
+    return float(finite.max()) if finite.size else 1.0
+
+
+def compare(out, args: tuple, kwargs: dict) -> Comparison:
+    dtype = args[0].dtype
+    ref = float64(*args, **kwargs)
+    outs = {name: fn(*args, **kwargs) for name, fn in MLX_ORACLES.items()}
+    mx.eval(*outs.values())
+    allowed = allowed_error(dtype, ref, max_abs_error(outs["sdpa"], ref), value_scale(args[2]))
+    self_errors = {name: max_abs_error(o, ref) for name, o in outs.items()}
+    ref_out = {name: np.array(o.astype(mx.float32)) for name, o in outs.items()}
+    return Comparison(
+        against_float64=Verdict(max_abs_error(out, ref), allowed),
+        oracle_self={name: Verdict(e, allowed) for name, e in self_errors.items()},
+        against_oracle={name: Verdict(max_abs_error(out, ref_out[name]), allowed + self_errors[name])
+                        for name in outs},
+    )

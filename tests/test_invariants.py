@@ -1,0 +1,99 @@
+"""Operator-level invariants of REFERENCE.md section 2, each a named test.
+
+2 block table order, 6 batch invariance, 7 thread invariance, 8 prefill == decode,
+9 unused slots never read. Bitwise ones compare raw bytes, not values.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import impl
+from fixtures import bits, paged_case
+from oracles.compare import compare
+from oracles.tolerance import max_abs_error
+
+pytestmark = pytest.mark.correctness
+
+
+@pytest.fixture
+def restore_threads():
+    before = impl.num_threads()
+    yield
+    impl.set_num_threads(before)
+
+
+def _table_with_pages_reversed(case, b):
+    table = np.array(case.block_table)
+    n = -(-int(np.array(case.context_lens)[b]) // case.page_size)
+    table[b, :n] = table[b, :n][::-1].copy()
+    return case.with_(block_table=mx.array(table))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_invariant_2_block_table_order(dtype):
+    """Reversing complete pages changes a causal prefill but not a one-token decode
+    (each K/V pair moves with its page); either way the kernel follows the table."""
+    prefill = paged_case(context_lens=[64], query_len=64, page_size=16, dtype=dtype, seed=21)
+    swapped = _table_with_pages_reversed(prefill, 0)
+    out, out_swapped = prefill.run(impl.paged_attention), swapped.run(impl.paged_attention)
+    assert not compare(out_swapped, swapped.args(), swapped.kwargs()).failures()
+    assert max_abs_error(out_swapped, np.array(out.astype(mx.float32))) > 1e-2
+
+    decode = prefill.decode_row(63)
+    decode_swapped = _table_with_pages_reversed(decode, 0)
+    result = compare(decode_swapped.run(impl.paged_attention), decode.args(), decode.kwargs())
+    assert not result.failures(), result.failures()
+
+
+@pytest.mark.parametrize("L", [1, 5, 20])
+def test_invariant_6_batch_invariance(L):
+    """A request's bits do not depend on its neighbours, its slot or the batch size."""
+    contexts = [300, L, 0, 40, 700]
+    big = paged_case(context_lens=contexts, query_len=L, q_heads=8, kv_heads=2, head_dim=64,
+                     page_size=16, seed=6)
+    out = big.run(impl.paged_attention)
+    for b, ctx in enumerate(contexts):
+        alone = big.with_(query=big.query[b:b + 1], block_table=big.block_table[b:b + 1],
+                          context_lens=big.context_lens[b:b + 1])
+        assert bits(alone.run(impl.paged_attention)) == bits(out[b:b + 1]), f"request {b} (context {ctx})"
+    order = [4, 0, 3]
+    shuffled = big.with_(query=big.query[order], block_table=big.block_table[order],
+                         context_lens=big.context_lens[order])
+    assert bits(shuffled.run(impl.paged_attention)) == bits(out[order])
+
+
+@pytest.mark.parametrize("L", [1, 7, 33])
+def test_invariant_7_thread_invariance(L, restore_threads):
+    case = paged_case(context_lens=[1100, 2 * L, 513], query_len=L, q_heads=8, kv_heads=2,
+                      head_dim=64, page_size=16, window=300, seed=7)
+    results = set()
+    for n in (1, 2, 3, 5):
+        impl.set_num_threads(n)
+        results.add(bits(case.run(impl.paged_attention)))
+    assert len(results) == 1
+
+
+@pytest.mark.parametrize("mask,window,dtype", [("causal", None, "float32"), ("causal", 100, "float32"),
+                                               ("causal", None, "bfloat16"), (None, None, "float16")])
+def test_invariant_8_prefill_equals_decode(mask, window, dtype):
+    """Every row of a prefill equals the one-token decode at its position, bit for bit,
+    across chunk boundaries (positions 255 / 256 / 511 / 512)."""
+    n = 530
+    prefill = paged_case(context_lens=[n, 0], query_len=n, q_heads=4, kv_heads=2, head_dim=64,
+                         page_size=16, mask=mask, window=window, dtype=dtype, seed=8)
+    out = prefill.run(impl.paged_attention)
+    rows = [0, 1, 15, 16, 255, 256, 257, 511, 512, n - 1] if mask else [n - 1]
+    for l in rows:
+        decode = prefill.decode_row(l)
+        assert bits(decode.run(impl.paged_attention)) == bits(out[:, :, l:l + 1]), f"row {l}"
+
+
+@pytest.mark.parametrize("L", [1, 12])
+@pytest.mark.parametrize("fill", [0.0, 1e30, -np.inf])
+def test_invariant_9_unused_slots_never_read(L, fill):
+    """NaN, huge or infinite garbage in tail slots and free pages changes no bit."""
+    kwargs = dict(context_lens=[45, 0, 17], query_len=L, q_heads=4, kv_heads=1, head_dim=32,
+                  page_size=8, seed=9)
+    poisoned = paged_case(**kwargs)  # NaN
+    assert bits(paged_case(**kwargs, fill=fill).run(impl.paged_attention)) == bits(poisoned.run(impl.paged_attention))

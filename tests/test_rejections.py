@@ -1,0 +1,121 @@
+"""Every rejection of REFERENCE.md section 1: a specific ContractViolation naming the
+offender, raised before anything is computed; pool and metadata keep every bit."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import impl
+from fixtures import bits, paged_case
+
+pytestmark = pytest.mark.correctness
+
+
+def _base():
+    # request 0: 10 positions in 3 pages of 4; request 1: 3 positions in 1 page
+    return paged_case(context_lens=[10, 3], query_len=3, q_heads=4, kv_heads=2, head_dim=8,
+                      page_size=4, seed=41, max_pages=3)
+
+
+def _table(case, b, i, value):
+    t = np.array(case.block_table)
+    t[b, i] = value
+    return mx.array(t)
+
+
+BAD = {
+    "query-not-array": (lambda c: c.with_(query=np.array(c.query)), "type", r"query must be an mlx.core.array"),
+    "query-rank": (lambda c: c.with_(query=c.query[0]), "rank", r"query must be 4-D"),
+    "pool-rank": (lambda c: c.with_(key_pages=c.key_pages[0]), "rank", r"key_pages must be 4-D"),
+    "table-rank": (lambda c: c.with_(block_table=c.block_table[0]), "rank", r"block_table must be 2-D"),
+    "lens-rank": (lambda c: c.with_(context_lens=c.context_lens[None]), "rank", r"context_lens must be 1-D"),
+    "query-int": (lambda c: c.with_(query=c.query.astype(mx.int32)), "dtype", r"query dtype int32 is not supported"),
+    "query-f64": (lambda c: c.with_(query=c.query.astype(mx.float64)), "dtype", r"float64 is not supported"),
+    "keys-dtype": (lambda c: c.with_(key_pages=c.key_pages.astype(mx.float16)), "dtype",
+                   r"key_pages dtype float16 differs from query dtype float32"),
+    "values-dtype": (lambda c: c.with_(value_pages=c.value_pages.astype(mx.bfloat16)), "dtype",
+                     r"value_pages dtype bfloat16 differs"),
+    "table-int64": (lambda c: c.with_(block_table=c.block_table.astype(mx.int64)), "metadata_dtype",
+                    r"block_table must be int32, got int64"),
+    "lens-uint32": (lambda c: c.with_(context_lens=c.context_lens.astype(mx.uint32)), "metadata_dtype",
+                    r"context_lens must be int32, got uint32"),
+    "values-shape": (lambda c: c.with_(value_pages=c.value_pages[:, :, :2]), "shape",
+                     r"value_pages shape .* differs from key_pages shape"),
+    "head-dim": (lambda c: c.with_(query=c.query[..., :4]), "shape", r"head dim differs: query D=4, key_pages D=8"),
+    "table-rows": (lambda c: c.with_(block_table=c.block_table[:1]), "shape", r"block_table has 1 rows but query has B=2"),
+    "lens-rows": (lambda c: c.with_(context_lens=mx.array([10, 3, 0], dtype=mx.int32)), "shape",
+                  r"context_lens has 3 rows"),
+    "gqa": (lambda c: c.with_(query=c.query[:, :3]), "heads", r"Hq=3 is not a multiple of Hkv=2"),
+    "page-size-pool": (lambda c: c.with_(page_size=8), "page_size", r"page_size=8 disagrees with key_pages.shape\[2\]=4"),
+    "page-size-zero": (lambda c: c.with_(page_size=0), "page_size", r"page_size must be >= 1, got 0"),
+    "page-size-float": (lambda c: c.with_(page_size=4.0), "page_size", r"page_size must be an int"),
+    "scale-nan": (lambda c: c.with_(scale=float("nan")), "scale", r"scale must be a finite"),
+    "scale-str": (lambda c: c.with_(scale="0.5"), "scale", r"scale must be a float"),
+    "mask": (lambda c: c.with_(mask="full"), "mask", r"mask must be 'causal' or None, got 'full'"),
+    "window-zero": (lambda c: c.with_(window=0), "window", r"window must be >= 1 or None, got 0"),
+    "window-negative": (lambda c: c.with_(window=-2), "window", r"window must be >= 1"),
+    "window-unmasked": (lambda c: c.with_(mask=None, window=4), "window", r"window=4 needs mask='causal'"),
+    "context-negative": (lambda c: c.with_(context_lens=mx.array([10, -1], dtype=mx.int32)),
+                         "context_negative", r"context_lens\[1\] = -1 is negative"),
+    "context-short": (lambda c: c.with_(context_lens=mx.array([10, 2], dtype=mx.int32)), "context_short",
+                      r"context_lens\[1\] = 2 is shorter than the query length L=3"),
+    "table-short": (lambda c: c.with_(context_lens=mx.array([13, 3], dtype=mx.int32)), "table_short",
+                    r"request 0 needs 4 pages \(context 13, page_size 4\) but block_table rows hold max_pages=3"),
+    "page-id-high": (lambda c: c.with_(block_table=_table(c, 0, 2, 999)), "page_id",
+                     r"block_table\[0, 2\] = 999 is outside the pool \[0, 7\) \(request 0 reads logical page 2\)"),
+    "page-id-negative": (lambda c: c.with_(block_table=_table(c, 1, 0, -1)), "page_id",
+                         r"block_table\[1, 0\] = -1 is outside the pool"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_rejection(name):
+    mutate, clause, message = BAD[name]
+    base = _base()
+    case = mutate(base)
+    before = [bits(a) for a in (base.key_pages, base.value_pages, base.block_table, base.context_lens)]
+    with pytest.raises(impl.ContractViolation, match=message) as info:
+        case.run(impl.paged_attention)
+    assert info.value.clause == clause
+    assert isinstance(info.value, ValueError)
+    after = [bits(a) for a in (base.key_pages, base.value_pages, base.block_table, base.context_lens)]
+    assert after == before
+
+
+def test_unread_table_entries_are_ignored():
+    """Entries past ceil(ctx / page_size) may hold anything (convention: -1)."""
+    base = _base()
+    t = np.array(base.block_table)
+    t[1, 1:] = [12345, -7]
+    assert bits(base.with_(block_table=mx.array(t)).run(impl.paged_attention)) == bits(base.run(impl.paged_attention))
+
+
+def test_prevalidated_metadata_is_reused_without_value_checks():
+    base = _base()
+    meta = impl.PagedMetadata.build(np.array(base.block_table), np.array(base.context_lens), page_size=4,
+                                    num_pages=base.key_pages.shape[0], query_len=3)
+    out = impl.paged_attention_with_metadata(base.query, base.key_pages, base.value_pages, meta)
+    assert bits(out) == bits(base.run(impl.paged_attention))
+    with pytest.raises(ValueError):
+        meta.block_table_host[0, 0] = 5  # the validated host copy is frozen
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: c.with_(query=c.query[:, :, :2]), r"validated for \(B, L, P, page_size\) = \(2, 3, 7, 4\)"),
+    (lambda c: c.with_(key_pages=c.key_pages[:5], value_pages=c.value_pages[:5]), r"this call has \(2, 3, 5, 4\)"),
+])
+def test_stale_metadata_is_rejected(change, message):
+    base = _base()
+    meta = impl.PagedMetadata.build(base.block_table, base.context_lens, page_size=4,
+                                    num_pages=base.key_pages.shape[0], query_len=3)
+    stale = change(base)
+    with pytest.raises(impl.ContractViolation, match=message) as info:
+        impl.paged_attention_with_metadata(stale.query, stale.key_pages, stale.value_pages, meta)
+    assert info.value.clause == "metadata_stale"
+
+
+def test_metadata_build_rejects_bad_values():
+    base = _base()
+    with pytest.raises(impl.ContractViolation, match=r"block_table\[0, 1\] = 70 is outside the pool \[0, 7\)"):
+        impl.PagedMetadata.build(np.array(_table(base, 0, 1, 70)), np.array(base.context_lens), page_size=4,
+                                 num_pages=7, query_len=3)
