@@ -62,7 +62,7 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
     load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), R, s.q32.data());
     resolve_rows(pr, task.b, task.g, jlo, jhi, s.off.data());
     attend_chunk<E>(pr, kpool, vpool, s.off.data(), jlo, jhi, s.q32.data(), R, s.clo.data(),
-                    s.chi.data(), s.scores.data(), part_ml.data() + t * R * 2,
+                    s.chi.data(), s, part_ml.data() + t * R * 2,
                     part_o.data() + t * R * D);
   });
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "blocks.h"
 #include "numerics.h"
 
 namespace pagecheck {
@@ -90,25 +91,28 @@ template <class E>
 inline void load_query_rows(const Problem& pr, const typename E::T* q, int b, const int* heads,
                             const int* positions, int rows, float* q32) {
   for (int r = 0; r < rows; ++r) {
-    const typename E::T* src = q + pr.query_offset(b, heads[r], positions[r]);
-    for (int d = 0; d < pr.D; ++d) q32[static_cast<int64_t>(r) * pr.D + d] = E::load(src[d]);
+    widen<E>(q + pr.query_offset(b, heads[r], positions[r]), q32 + static_cast<int64_t>(r) * pr.D, pr.D);
   }
 }
 
 // Per-thread working memory, grown on demand and reused across calls.
 struct Scratch {
-  std::vector<float> q32, scores, chunk_ml, chunk_o, acc_ml, acc_o;
+  static constexpr int kScoreStride = kChunk + kBlock;  // a block may run past the chunk's keys
+
+  std::vector<float> q32, scores, chunk_ml, chunk_o, acc_ml, acc_o, block, zeros;
   std::vector<int64_t> off;
   std::vector<int> heads, positions, lo, hi, clo, chi;
 
   void reserve(int rows, int D) {
     const size_t r = static_cast<size_t>(rows);
     q32.resize(r * D);
-    scores.resize(r * kChunk);
+    scores.resize(r * kScoreStride);
     chunk_ml.resize(r * 2);
     chunk_o.resize(r * D);
     acc_ml.resize(r * 2);
     acc_o.resize(r * D);
+    block.resize(static_cast<size_t>(kBlock) * D);
+    zeros.resize(D);  // never written: the readable stand-in for missing keys of a block
     off.resize(kChunk);
     for (auto* v : {&heads, &positions, &lo, &hi, &clo, &chi}) v->resize(r);
   }
@@ -118,52 +122,57 @@ struct Scratch {
   }
 };
 
-// Attention of `rows` query rows over the keys of chunk c (positions [c0, c0 + kChunk)).
-// clo/chi: each row's visible keys clipped to the chunk (clo >= chi: none). off: row
-// offsets of keys [jlo, jhi), the union of the rows' spans. Writes each row's chunk
-// state: ml[2r] = m, ml[2r+1] = l (0 when the row sees no key here), o[r*D ...].
-// Masked keys are never read: their K/V slots may hold NaN (REFERENCE.md invariant 9).
+// Attention of `rows` query rows over the keys of one chunk. clo/chi: each row's visible
+// keys clipped to the chunk (clo >= chi: none); [jlo, jhi): their union; off: the K/V
+// row offsets of keys jlo .. jhi-1. Writes each row's chunk state: ml[2r] = m,
+// ml[2r+1] = l (0 when the row sees no key here), o[r*D ...]. K/V come in blocks of 16
+// keys so a block is loaded (and widened) once for all rows of the GQA group. Keys a
+// row cannot see are never used, and keys outside [jlo, jhi) never read: their slots
+// may hold NaN (REFERENCE.md invariant 9).
 template <class E>
 void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename E::T* vpool,
                   const int64_t* off, int jlo, int jhi, const float* q32, int rows,
-                  const int* clo, const int* chi, float* scores, float* ml, float* o) {
+                  const int* clo, const int* chi, Scratch& s, float* ml, float* o) {
   const int D = pr.D;
+  const int64_t stride = Scratch::kScoreStride;
+  const float* block_rows[kBlock];
   for (int r = 0; r < rows; ++r) {
     ml[2 * r] = kNegInf;
     ml[2 * r + 1] = 0.f;
     std::fill(o + static_cast<int64_t>(r) * D, o + static_cast<int64_t>(r + 1) * D, 0.f);
   }
-  // Scores: each K row is loaded once and used by every row of the group.
-  for (int j = jlo; j < jhi; ++j) {
-    const typename E::T* k = kpool + off[j - jlo];
+  for (int jb = jlo; jb < jhi; jb += kBlock) {
+    const int n = std::min(kBlock, jhi - jb);
+    widen_rows<E>(kpool, off + (jb - jlo), n, D, s.block.data(), s.zeros.data(), block_rows);
     for (int r = 0; r < rows; ++r) {
-      if (clo[r] <= j && j < chi[r]) {
-        scores[static_cast<int64_t>(r) * kChunk + (j - jlo)] =
-            dot16<E>(q32 + static_cast<int64_t>(r) * D, k, D) * pr.qk_scale;
-      }
+      if (clo[r] >= jb + n || chi[r] <= jb) continue;
+      float* sc = s.scores.data() + r * stride + (jb - jlo);
+      scores16(q32 + static_cast<int64_t>(r) * D, block_rows, D, sc);
+      for (int k = 0; k < n; ++k) sc[k] *= pr.qk_scale;
     }
   }
   // Softmax numerators and denominators, per row, over its visible keys only.
   for (int r = 0; r < rows; ++r) {
     if (clo[r] >= chi[r]) continue;
-    float* s = scores + static_cast<int64_t>(r) * kChunk;
+    float* sc = s.scores.data() + r * stride;
     const int a = clo[r] - jlo, z = chi[r] - jlo;
-    float m = s[a];
-    for (int i = a + 1; i < z; ++i) m = s[i] > m ? s[i] : m;
-    for (int i = a; i < z; ++i) s[i] = exp2_nonpositive(s[i] - m);
+    float m = sc[a];
+    for (int i = a + 1; i < z; ++i) m = sc[i] > m ? sc[i] : m;
+    for (int i = a; i < z; ++i) sc[i] = exp2_nonpositive(sc[i] - m);
     float l = 0.f;
-    for (int i = a; i < z; ++i) l += s[i];
+    for (int i = a; i < z; ++i) l += sc[i];
     ml[2 * r] = m;
     ml[2 * r + 1] = l;
   }
-  // Weighted values: each V row is loaded once, ascending j for every row.
-  for (int j = jlo; j < jhi; ++j) {
-    const typename E::T* v = vpool + off[j - jlo];
+  // Weighted values, ascending j for every row.
+  for (int jb = jlo; jb < jhi; jb += kBlock) {
+    const int n = std::min(kBlock, jhi - jb);
+    widen_rows<E>(vpool, off + (jb - jlo), n, D, s.block.data(), s.zeros.data(), block_rows);
     for (int r = 0; r < rows; ++r) {
-      if (clo[r] <= j && j < chi[r]) {
-        axpy<E>(scores[static_cast<int64_t>(r) * kChunk + (j - jlo)], v,
-                o + static_cast<int64_t>(r) * D, D);
-      }
+      const int a = std::max(clo[r], jb), z = std::min(chi[r], jb + n);
+      if (a >= z) continue;
+      weigh(block_rows + (a - jb), s.scores.data() + r * stride + (a - jlo), z - a,
+            o + static_cast<int64_t>(r) * D, D);
     }
   }
 }

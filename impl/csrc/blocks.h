@@ -1,0 +1,162 @@
+// The two inner loops of a chunk, on blocks of up to 16 keys, with an AVX-512 path
+// and a plain path that perform the *same* floating-point operations in the same
+// order (numerics.h), so the two give identical bits and either may serve any row.
+//
+//   scores16  16 keys x 1 query row: s_k = dot16(q, k_k). Vectorized across d with one
+//             16-lane accumulator per key (8 fused multiply-adds each for D = 128), then
+//             the 16 accumulators are folded together by a transpose: every step adds
+//             exactly the lane pairs of dot16's halving tree (i + 8, i + 4, i + 2, i + 1),
+//             just for 16 keys at once, and leaves key k in lane k.
+//   weigh     o[d] += p_j * v_j[d] for j ascending, o held in registers across the block.
+#pragma once
+
+#include <type_traits>
+
+#include "numerics.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagecheck {
+
+constexpr int kBlock = 16;  // keys per block
+
+#if defined(__AVX512F__)
+// Lane pairs (i, i + w) of one accumulator are summed by "x + y" where x gathers the
+// i lanes and y the i + w lanes; these helpers build x and y for two inputs at a time.
+inline __m512 fold_halves(__m512 a, __m512 b) {  // w = 8: a's and b's 256-bit halves
+  const __m512 x = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 y = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2));
+  return _mm512_add_ps(x, y);
+}
+
+inline __m512 fold_quarters(__m512 a, __m512 b) {  // w = 4 within each 8-lane key
+  const __m512 x = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 y = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+  return _mm512_add_ps(x, y);
+}
+
+inline __m512 fold_pairs(__m512 a, __m512 b) {  // w = 2 within each 4-lane key
+  const __m512i lo = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m512i hi = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+  const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+  const __m512 x = _mm512_castpd_ps(_mm512_permutex2var_pd(ad, lo, bd));
+  const __m512 y = _mm512_castpd_ps(_mm512_permutex2var_pd(ad, hi, bd));
+  return _mm512_add_ps(x, y);
+}
+
+inline __m512 fold_singles(__m512 a, __m512 b) {  // w = 1 within each 2-lane key
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+
+inline __m512 fma16(__m512 a, __m512 b, __m512 c) {
+#if defined(__FMA__)
+  return _mm512_fmadd_ps(a, b, c);
+#else
+  return _mm512_add_ps(_mm512_mul_ps(a, b), c);
+#endif
+}
+#endif
+
+// s[k] = dot16(q, rows[k]) for k < 16. Every row pointer must be readable (pad a short
+// block with a row of zeros). D: the head dim; the vector path needs D % 16 == 0.
+inline void scores16(const float* q, const float* const* rows, int D, float* s) {
+#if defined(__AVX512F__)
+  if (D % kLanes == 0) {
+    __m512 acc[kBlock];
+    for (int k = 0; k < kBlock; ++k) acc[k] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += kLanes) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int k = 0; k < kBlock; ++k) acc[k] = fma16(qv, _mm512_loadu_ps(rows[k] + d), acc[k]);
+    }
+    // Fold pairs of keys (k, k+1) so that the result lands in natural key order:
+    // halves hold keys (2j, 2j+1), then quarters (4m .. 4m+3), pairs, singles.
+    __m512 h[8], qu[4], pr[2];
+    for (int j = 0; j < 8; ++j) h[j] = fold_halves(acc[2 * j], acc[2 * j + 1]);
+    for (int m = 0; m < 4; ++m) qu[m] = fold_quarters(h[2 * m], h[2 * m + 1]);
+    for (int n = 0; n < 2; ++n) pr[n] = fold_pairs(qu[2 * n], qu[2 * n + 1]);
+    _mm512_storeu_ps(s, fold_singles(pr[0], pr[1]));
+    return;
+  }
+#endif
+  for (int k = 0; k < kBlock; ++k) s[k] = dot16<F32>(q, rows[k], D);
+}
+
+#if defined(__AVX512F__)
+// NV registers of o (columns d0 .. d0 + 16 NV) stay in registers across the block.
+template <int NV>
+inline void weigh_columns(const float* const* rows, const float* p, int n, float* o, int d0) {
+  __m512 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm512_loadu_ps(o + d0 + v * kLanes);
+  for (int j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    for (int v = 0; v < NV; ++v) acc[v] = fma16(pj, _mm512_loadu_ps(rows[j] + d0 + v * kLanes), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + d0 + v * kLanes, acc[v]);
+}
+#endif
+
+// o[d] += p[j] * rows[j][d] for j = 0 .. n-1 in order, one fused multiply-add each.
+inline void weigh(const float* const* rows, const float* p, int n, float* o, int D) {
+#if defined(__AVX512F__)
+  if (D % kLanes == 0) {
+    for (int d0 = 0; d0 < D; d0 += 8 * kLanes) {
+      switch ((D - d0) / kLanes) {
+        case 1: weigh_columns<1>(rows, p, n, o, d0); break;
+        case 2: weigh_columns<2>(rows, p, n, o, d0); break;
+        case 3: weigh_columns<3>(rows, p, n, o, d0); break;
+        case 4: weigh_columns<4>(rows, p, n, o, d0); break;
+        case 5: weigh_columns<5>(rows, p, n, o, d0); break;
+        case 6: weigh_columns<6>(rows, p, n, o, d0); break;
+        case 7: weigh_columns<7>(rows, p, n, o, d0); break;
+        default: weigh_columns<8>(rows, p, n, o, d0); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int j = 0; j < n; ++j) axpy<F32>(p[j], rows[j], o, D);
+}
+
+// Widen one row to float32 (exact for every element type, so the vector and the
+// scalar conversions give the same values).
+template <class E>
+inline void widen(const typename E::T* src, float* dst, int D) {
+  int d = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<E, BF16>) {
+    for (; d + kLanes <= D; d += kLanes) {
+      const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d)));
+      _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+    }
+  } else if constexpr (std::is_same_v<E, F16>) {
+    for (; d + kLanes <= D; d += kLanes) {
+      _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+    }
+  }
+#endif
+  for (; d < D; ++d) dst[d] = E::load(src[d]);
+}
+
+// Float32 views of up to 16 K or V rows. Float32 pools are read in place; half types
+// are widened once per block into `buf` (16 x D floats) and shared by all query rows.
+template <class E>
+inline void widen_rows(const typename E::T* pool, const int64_t* off, int n, int D, float* buf,
+                       const float* zeros, const float** rows) {
+  for (int k = 0; k < n; ++k) {
+    const typename E::T* src = pool + off[k];
+    if constexpr (sizeof(typename E::T) == sizeof(float)) {
+      rows[k] = reinterpret_cast<const float*>(src);
+    } else {
+      float* dst = buf + static_cast<int64_t>(k) * D;
+      widen<E>(src, dst, D);
+      rows[k] = dst;
+    }
+  }
+  for (int k = n; k < kBlock; ++k) rows[k] = zeros;
+}
+
+}  // namespace pagecheck
