@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import impl
+import pagecheck_kernels
 from fixtures import bits, paged_case
 
 pytestmark = pytest.mark.correctness
@@ -119,3 +120,16 @@ def test_metadata_build_rejects_bad_values():
     with pytest.raises(impl.ContractViolation, match=r"block_table\[0, 1\] = 70 is outside the pool \[0, 7\)"):
         impl.PagedMetadata.build(np.array(_table(base, 0, 1, 70)), np.array(base.context_lens), page_size=4,
                                  num_pages=7, query_len=3)
+
+
+@pytest.mark.parametrize("bad_id", [999, -1])
+def test_unchecked_kernel_never_reads_outside_the_pool(bad_id):
+    """The compiled entry point, called without the Python checks, turns a request with
+    an out-of-range page id into NaN instead of reading outside the pool; the other
+    requests are computed as usual."""
+    base = _base()
+    bad = base.with_(block_table=_table(base, 0, 1, bad_id))
+    args = bad.args()[:5] + (4, 8 ** -0.5, True, 0)
+    out = np.array(pagecheck_kernels.paged_attention(*args))
+    assert np.isnan(out[0]).all()
+    assert bits(mx.array(out[1:])) == bits(base.run(impl.paged_attention)[1:])

@@ -81,7 +81,7 @@ inline void resolve_rows(const Problem& pr, int b, int g, int j0, int j1, int64_
   while (j < j1) {
     const int logical = j / ps;
     const int64_t base = static_cast<int64_t>(row[logical]) * page_stride + head;
-    const int end = std::min(j1, (logical + 1) * ps);
+    const int end = static_cast<int>(std::min<int64_t>(j1, static_cast<int64_t>(logical + 1) * ps));
     for (int slot = j % ps; j < end; ++j, ++slot) off[j - j0] = base + static_cast<int64_t>(slot) * pr.D;
   }
 }
