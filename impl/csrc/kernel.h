@@ -154,15 +154,12 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   // Softmax numerators and denominators, per row, over its visible keys only.
   for (int r = 0; r < rows; ++r) {
     if (clo[r] >= chi[r]) continue;
-    float* sc = s.scores.data() + r * stride;
-    const int a = clo[r] - jlo, z = chi[r] - jlo;
-    float m = sc[a];
-    for (int i = a + 1; i < z; ++i) m = sc[i] > m ? sc[i] : m;
-    for (int i = a; i < z; ++i) sc[i] = exp2_nonpositive(sc[i] - m);
-    float l = 0.f;
-    for (int i = a; i < z; ++i) l += sc[i];
+    float* sc = s.scores.data() + r * stride + (clo[r] - jlo);  // key clo[r] onwards
+    const int n = chi[r] - clo[r];
+    const float m = max_of(sc, n);
+    for (int i = 0; i < n; ++i) sc[i] = exp2_nonpositive(sc[i] - m);
     ml[2 * r] = m;
-    ml[2 * r + 1] = l;
+    ml[2 * r + 1] = lane_sum(sc, clo[r], n);
   }
   // Weighted values, ascending j for every row.
   for (int jb = jlo; jb < jhi; jb += kBlock) {

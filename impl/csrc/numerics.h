@@ -6,7 +6,8 @@
 //
 //   score    s_j = dot16(q, k_j) * (scale * log2 e)     dot16: 16 lanes over d, fixed tree
 //   chunk    keys are cut at absolute positions that are multiples of kChunk;
-//            per chunk: m = max s_j, p_j = exp2(s_j - m), l = sum p_j (ascending j),
+//            per chunk: m = max s_j, p_j = exp2(s_j - m), l = lane_sum p_j (16 lanes by
+//            absolute position, fixed fold),
 //            o = sum p_j v_j (ascending j, one fused multiply-add per term)
 //   merge    chunk states are folded in ascending chunk order, starting from the first
 //   finish   out = o * (1 / l), cast once to the output dtype
@@ -123,6 +124,38 @@ inline float dot16(const float* q, const typename E::T* k, int D) {
     for (int i = 0; i < w; ++i) acc[i] += acc[i + w];
   }
   return acc[0];
+}
+
+// Sum of p[0 .. n) where p[i] belongs to absolute key position first + i: lane k adds
+// the keys at positions == k (mod 16) in ascending order, then the lanes fold by halving
+// as in dot16. Lanes follow absolute positions, so every row that sees the same keys
+// gets the same sum, however its chunk was clipped.
+inline float lane_sum(const float* p, int first, int n) {
+  float acc[kLanes] = {};
+  int i = 0;
+  for (; i < n && (first + i) % kLanes != 0; ++i) acc[(first + i) % kLanes] += p[i];
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) acc[k] += p[i + k];
+  }
+  for (; i < n; ++i) acc[(first + i) % kLanes] += p[i];
+  for (int w = kLanes / 2; w >= 1; w /= 2) {
+    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
+  }
+  return acc[0];
+}
+
+// Largest of p[0 .. n), n >= 1 (exact in any order).
+inline float max_of(const float* p, int n) {
+  float acc[kLanes];
+  for (int k = 0; k < kLanes; ++k) acc[k] = p[0];
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) acc[k] = p[i + k] > acc[k] ? p[i + k] : acc[k];
+  }
+  for (; i < n; ++i) acc[0] = p[i] > acc[0] ? p[i] : acc[0];
+  float m = acc[0];
+  for (int k = 1; k < kLanes; ++k) m = acc[k] > m ? acc[k] : m;
+  return m;
 }
 
 // o[d] += p * v[d], one fused multiply-add per element.
