@@ -48,3 +48,26 @@ def test_gpu_stream_is_a_clear_error_never_a_dense_fallback():
     out = pagecheck_kernels.paged_attention(*case.args(), 0.25, True, 0, stream=mx.gpu)
     with pytest.raises(RuntimeError, match="no GPU kernel"):
         mx.eval(out)
+
+
+RESIZE_STRESS = """
+import impl
+from fixtures import bits, paged_case
+case = paged_case(context_lens=[40, 7, 30], query_len=1, q_heads=4, kv_heads=2, head_dim=16,
+                  page_size=8, seed=51)
+impl.set_num_threads(1)
+expected = bits(case.run(impl.paged_attention))
+for i in range(8000):
+    impl.set_num_threads(2 + i % 3)
+    assert bits(case.run(impl.paged_attention)) == expected, f"call {i}"
+print("ok")
+"""
+
+
+def test_resizing_between_calls_never_hangs_or_changes_bits():
+    """Workers made by a resize must wait for the next loop, not take the last one for
+    new work: that miscounted busy workers and hung the caller in 2 of 3 runs of this
+    loop. Run in a subprocess so a hang fails the test instead of stalling the suite."""
+    out = subprocess.run([sys.executable, "-c", RESIZE_STRESS], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -70,8 +70,9 @@ class Pool {
     for (int64_t i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) (*fn_)(i);
   }
 
-  void worker() {
-    uint64_t seen = 0;
+  // `seen` starts at the generation current when the worker was made: a worker
+  // started by resize() must not take an earlier loop for a new one.
+  void worker(uint64_t seen) {
     for (;;) {
       {
         std::unique_lock<std::mutex> lock(mutex_);
@@ -88,7 +89,8 @@ class Pool {
   void start(int n) {
     size_ = n;
     quit_ = false;
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { worker(); });
+    const uint64_t current = generation_;
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this, current] { worker(current); });
   }
 
   void stop() {
