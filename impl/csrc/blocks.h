@@ -5,7 +5,7 @@
 //   scores16  16 keys x 1 query row: s_k = dot16(q, k_k). Vectorized across d with one
 //             16-lane accumulator per key (8 fused multiply-adds each for D = 128), then
 //             the 16 accumulators are folded together by a transpose: every step adds
-//             exactly the lane pairs of dot16's halving tree (i + 8, i + 4, i + 2, i + 1),
+//             exactly the lane pairs of fold_lanes' halving tree (i + 8, i + 4, i + 2, i + 1),
 //             just for 16 keys at once, and leaves key k in lane k.
 //   weigh     o[d] += p_j * v_j[d] for j ascending, o held in registers across the block.
 #pragma once
@@ -82,7 +82,7 @@ inline void scores16(const float* q, const float* const* rows, int D, float* s) 
     return;
   }
 #endif
-  for (int k = 0; k < kBlock; ++k) s[k] = dot16<F32>(q, rows[k], D);
+  for (int k = 0; k < kBlock; ++k) s[k] = dot16(q, rows[k], D);
 }
 
 #if defined(__AVX512F__)
@@ -118,7 +118,7 @@ inline void weigh(const float* const* rows, const float* p, int n, float* o, int
     return;
   }
 #endif
-  for (int j = 0; j < n; ++j) axpy<F32>(p[j], rows[j], o, D);
+  for (int j = 0; j < n; ++j) axpy(p[j], rows[j], o, D);
 }
 
 // Widen one row to float32 (exact for every element type, so the vector and the

@@ -109,27 +109,31 @@ struct F16 {
   }
 };
 
-// The score dot product: lane i accumulates d = i, i+16, i+32, ... in ascending
-// order (a short D leaves the upper lanes at zero), then the lanes are folded by
-// halving: i += i+8, i += i+4, i += i+2, i += i+1.
-template <class E>
-inline float dot16(const float* q, const typename E::T* k, int D) {
-  float acc[kLanes] = {};
-  int d = 0;
-  for (; d + kLanes <= D; d += kLanes) {
-    for (int i = 0; i < kLanes; ++i) acc[i] = fmadd(q[d + i], E::load(k[d + i]), acc[i]);
-  }
-  for (int i = 0; d + i < D; ++i) acc[i] = fmadd(q[d + i], E::load(k[d + i]), acc[i]);
+// The lane fold every reduction here ends with: halving, i += i+8, i += i+4,
+// i += i+2, i += i+1; the result is lane 0.
+inline float fold_lanes(float* acc) {
   for (int w = kLanes / 2; w >= 1; w /= 2) {
     for (int i = 0; i < w; ++i) acc[i] += acc[i + w];
   }
   return acc[0];
 }
 
+// The score dot product: lane i accumulates d = i, i+16, i+32, ... in ascending
+// order (a short D leaves the upper lanes at zero), then fold_lanes.
+inline float dot16(const float* q, const float* k, int D) {
+  float acc[kLanes] = {};
+  int d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    for (int i = 0; i < kLanes; ++i) acc[i] = fmadd(q[d + i], k[d + i], acc[i]);
+  }
+  for (int i = 0; d + i < D; ++i) acc[i] = fmadd(q[d + i], k[d + i], acc[i]);
+  return fold_lanes(acc);
+}
+
 // Sum of p[0 .. n) where p[i] belongs to absolute key position first + i: lane k adds
-// the keys at positions == k (mod 16) in ascending order, then the lanes fold by halving
-// as in dot16. Lanes follow absolute positions, so every row that sees the same keys
-// gets the same sum, however its chunk was clipped.
+// the keys at positions == k (mod 16) in ascending order, then fold_lanes. Lanes follow
+// absolute positions, so every row that sees the same keys gets the same sum, however
+// its chunk was clipped.
 inline float lane_sum(const float* p, int first, int n) {
   float acc[kLanes] = {};
   int i = 0;
@@ -138,10 +142,7 @@ inline float lane_sum(const float* p, int first, int n) {
     for (int k = 0; k < kLanes; ++k) acc[k] += p[i + k];
   }
   for (; i < n; ++i) acc[(first + i) % kLanes] += p[i];
-  for (int w = kLanes / 2; w >= 1; w /= 2) {
-    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
-  }
-  return acc[0];
+  return fold_lanes(acc);
 }
 
 // Largest of p[0 .. n), n >= 1 (exact in any order).
@@ -159,9 +160,8 @@ inline float max_of(const float* p, int n) {
 }
 
 // o[d] += p * v[d], one fused multiply-add per element.
-template <class E>
-inline void axpy(float p, const typename E::T* v, float* o, int D) {
-  for (int d = 0; d < D; ++d) o[d] = fmadd(p, E::load(v[d]), o[d]);
+inline void axpy(float p, const float* v, float* o, int D) {
+  for (int d = 0; d < D; ++d) o[d] = fmadd(p, v[d], o[d]);
 }
 
 // The softmax state of one query row over some keys: running max m (log2 domain),
