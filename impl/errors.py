@@ -30,3 +30,42 @@ class ContractViolation(ValueError):
     def __init__(self, clause: str, message: str):
         super().__init__(message)
         self.clause = clause
+
+
+class ServingError(ValueError):
+    """Misuse of the page pool, a paged cache or the scheduler.
+
+    Raised before any state changes: pool, caches and their K/V stay as they were.
+
+    | clause           | raised when                                                   |
+    |------------------|---------------------------------------------------------------|
+    | `pool_exhausted` | fewer free pages than an allocation needs (`PoolExhausted`)    |
+    | `already_free`   | freeing or sharing a free page, releasing twice (`PageAlreadyFree`) |
+    | `page_id`        | a page id that is not an int in `[0, P)` (foreign page)        |
+    | `capacity`       | a pool or cache size that is not a positive whole number of pages, or an append past a cache's `max_tokens` |
+    | `layer`          | a layer index outside `[0, num_layers)`                        |
+    | `slot`           | a write to a slot outside the pool, into a free page, or twice in one call |
+    | `append_shape`   | new K/V rows whose shape does not fit the pool or the slots    |
+    | `append_dtype`   | new K/V rows whose dtype differs from the pool's               |
+    | `shared_write`   | a raw write into a page other holders share (use the cache: it copies first) |
+    | `released`       | using a paged cache after `release()`                         |
+    | `request`        | a request id the scheduler does not know, or one given twice  |
+    """
+
+    def __init__(self, clause: str, message: str):
+        super().__init__(message)
+        self.clause = clause
+
+
+class PoolExhausted(ServingError):
+    """Not enough free pages; the pool and every cache are unchanged."""
+
+    def __init__(self, message: str):
+        super().__init__("pool_exhausted", message)
+
+
+class PageAlreadyFree(ServingError):
+    """A free page freed (or shared) again, or a cache released twice."""
+
+    def __init__(self, message: str):
+        super().__init__("already_free", message)

@@ -3,6 +3,7 @@
 
 #include "kernel.h"
 #include "paged_attention.h"
+#include "pool_update.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
@@ -14,6 +15,12 @@ NB_MODULE(_kernels, m) {
         "block_table"_a, "context_lens"_a, "page_size"_a, "scale"_a, "causal"_a, "window"_a,
         nb::kw_only(), "stream"_a = nb::none(),
         "Unvalidated entry point; call impl.paged_attention instead.");
+  m.def("write_slots", &pagecheck::write_slots, "pages"_a, "rows"_a, "slots"_a, nb::kw_only(),
+        "stream"_a = nb::none(), "Unvalidated in-place slot write; use impl.PagePool instead.");
+  m.def("copy_pages", &pagecheck::copy_pages, "pages"_a, "src"_a, "dst"_a, nb::kw_only(),
+        "stream"_a = nb::none(), "Unvalidated in-place page copy; use impl.PagePool instead.");
+  m.def("pool_copies", &pagecheck::pool_copies,
+        "How many pool updates had to copy a whole pool (0 on the in-place path).");
   m.def("num_threads", &pagecheck::num_threads, "Worker threads used by the kernels.");
   m.def("set_num_threads", &pagecheck::set_num_threads, "n"_a, "Set the kernels' worker count.");
   m.attr("CHUNK") = pagecheck::kChunk;

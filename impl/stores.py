@@ -1,0 +1,96 @@
+"""Where the scheduler's requests keep their K/V: paged (`PagedStore`) or dense (`DenseStore`).
+
+| store         | admission holds room for          | grows by                     | when full           |
+|---------------|-----------------------------------|------------------------------|---------------------|
+| `PagedStore`  | the prompt's pages (plus what running prefills still need) | a page when the tail is full | `PoolExhausted` -> preemption |
+| `DenseStore`  | prompt + max_new_tokens positions, reserved up front (serving before paging) | concatenation, every step | never (reserved) |
+"""
+
+from __future__ import annotations
+
+from .cache import PagedCache
+from .errors import PoolExhausted, ServingError
+from .pool import PagePool
+
+
+class PagedStore:
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self.caches: dict[int, PagedCache] = {}
+
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.pool.page_size)
+
+    def could_ever_hold(self, req) -> bool:
+        return self.pages_for(req.prompt_len + req.max_new_tokens) <= self.pool.num_pages
+
+    def can_admit(self, req, running) -> bool:
+        still_needed = sum(self.pages_for(r.prefill_target) - len(self.caches[r.rid].pages)
+                           for r in running if r.in_prefill)
+        return self.pool.allocator.num_free >= self.pages_for(req.prefill_target) + still_needed
+
+    def admit(self, req) -> None:
+        self.caches[req.rid] = PagedCache(self.pool)
+
+    def reserve(self, req, n: int) -> None:
+        self.caches[req.rid].reserve(n)
+
+    def release(self, req) -> None:
+        self.caches.pop(req.rid).release()
+
+    def tail_waste_slots(self) -> int:
+        return sum(c.tail_free_slots for c in self.caches.values())
+
+    def kv_bytes(self) -> int:
+        return self.pool.allocator.num_live * self.pool.bytes_per_page
+
+    def leaked_pages(self) -> int:
+        """Live pages that no request's block table names."""
+        held = {p for c in self.caches.values() for p in c.pages}
+        return sum(1 for p in range(self.pool.num_pages) if self.pool.ref_count(p) and p not in held)
+
+
+class DenseStore:
+    """Per-request dense K/V (`[Hkv, S, D]` per layer), grown by concatenation."""
+
+    def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, dtype, budget_tokens: int):
+        if budget_tokens < 1:
+            raise ServingError("capacity", f"budget_tokens must be >= 1, got {budget_tokens}")
+        self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
+        self.budget_tokens = budget_tokens
+        self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * dtype.size
+        self.reserved: dict[int, int] = {}
+        self.lengths: dict[int, int] = {}
+        self.kv: dict[int, list[list]] = {}        # rid -> per layer [keys, values] or None
+
+    def could_ever_hold(self, req) -> bool:
+        return req.prompt_len + req.max_new_tokens <= self.budget_tokens
+
+    def can_admit(self, req, running) -> bool:
+        return sum(self.reserved.values()) + req.prompt_len + req.max_new_tokens <= self.budget_tokens
+
+    def admit(self, req) -> None:
+        self.reserved[req.rid] = req.prompt_len + req.max_new_tokens
+        self.lengths[req.rid] = 0
+        self.kv[req.rid] = [[None, None] for _ in range(self.num_layers)]
+
+    def reserve(self, req, n: int) -> None:
+        if self.lengths[req.rid] + n > self.reserved[req.rid]:
+            raise PoolExhausted(f"request {req.rid} outgrew its dense reservation of {self.reserved[req.rid]}")
+        self.lengths[req.rid] += n
+
+    def release(self, req) -> None:
+        for d in (self.reserved, self.lengths, self.kv):
+            d.pop(req.rid)
+
+    def tail_waste_slots(self) -> int:
+        return sum(self.reserved[r] - self.lengths[r] for r in self.reserved)
+
+    def kv_bytes(self) -> int:
+        return sum(x.nbytes for layers in self.kv.values() for pair in layers for x in pair if x is not None)
+
+    def reserved_bytes(self) -> int:
+        return sum(self.reserved.values()) * self.bytes_per_token
+
+    def leaked_pages(self) -> int:
+        return 0  # no pages: a released request's arrays are dropped with it
