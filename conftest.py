@@ -15,6 +15,11 @@ AREAS = {
     "test_invariants": "bitwise invariants 2, 6, 7, 8, 9",
     "test_rejections": "bad input: specific error, nothing written",
     "test_runtime": "worker threads, GPU path",
+    "test_pool": "page pool: allocation, reference counts, in-place writes",
+    "test_cache": "paged cache: append, fork, copy-on-write, release",
+    "test_serving_invariants": "serving invariants 1, 3, 4, 5, 10",
+    "test_scheduler": "scheduler: admission, preemption, variants agree",
+    "test_model": "mlx-lm Qwen3: paged tokens == dense tokens",
 }
 
 

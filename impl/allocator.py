@@ -72,9 +72,8 @@ class PageAllocator:
     # -- changes -----------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """`n` fresh pages, each with reference count 1; all or nothing."""
-        n = operator.index(n)
-        if n < 0:
-            raise ServingError("capacity", f"cannot allocate {n} pages")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ServingError("capacity", f"a page count must be an int >= 0, got {n!r}")
         if n > len(self._free):
             raise PoolExhausted(f"need {n} free pages, the pool has {len(self._free)} of "
                                 f"{self.num_pages} free")

@@ -23,7 +23,7 @@ from .pool import PagePool
 
 class PagedCache:
     def __init__(self, pool: PagePool, *, max_tokens: int | None = None):
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
             raise ServingError("capacity", f"max_tokens must be an int >= 0 or None, got {max_tokens!r}")
         self.pool = pool
         self.max_tokens = max_tokens

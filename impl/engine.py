@@ -42,8 +42,8 @@ def _dense_metadata(lengths, query_len: int, width: int) -> PagedMetadata:
 class PagedEngine:
     def __init__(self, store: PagedStore, *, gather: bool = False, scale=None):
         self.store, self.gather, self.scale = store, gather, scale
-        self.kv_bytes_copied = 0     # bytes moved besides the new rows (gathers, CoW copies)
-        self.peak_transient_bytes = 0
+        self.kv_bytes_copied = 0     # bytes moved besides the new rows (gathers)
+        self.last_transient_bytes = 0  # one layer's gathered K/V batch in the last group
 
     def run_group(self, works, inputs) -> list[mx.array]:
         caches = [self.store.caches[w.request.rid] for w in works]
@@ -53,8 +53,8 @@ class PagedEngine:
             width = batch.metadata.block_table_host.shape[1]
             index = mx.array(np.maximum(batch.metadata.block_table_host, 0).reshape(-1))
             dense_meta = _dense_metadata(batch.metadata.context_lens_host, batch.query_len, width * pool.page_size)
-            gathered = 2 * len(caches) * width * pool.bytes_per_page // pool.num_layers
-            self.peak_transient_bytes = max(self.peak_transient_bytes, gathered)
+            gathered = len(caches) * width * pool.bytes_per_page // pool.num_layers
+        self.last_transient_bytes = gathered if self.gather else 0
         outs = []
         for layer, (q, k, v) in enumerate(inputs):
             batch.write(layer, k, v)
@@ -78,7 +78,7 @@ class DenseEngine:
     def __init__(self, store: DenseStore, *, scale=None):
         self.store, self.scale = store, scale
         self.kv_bytes_copied = 0     # bytes moved besides the new rows (concatenations, repacks)
-        self.peak_transient_bytes = 0
+        self.last_transient_bytes = 0  # one layer's repacked K/V batch in the last group
 
     def run_group(self, works, inputs) -> list[mx.array]:
         L, B = works[0].count, len(works)
@@ -87,6 +87,7 @@ class DenseEngine:
         meta = _dense_metadata(lengths, L, width)
         item = self.store.dtype.size
         outs = []
+        self.last_transient_bytes = 0
         for layer, (q, k, v) in enumerate(inputs):
             batch = []
             for b, w in enumerate(works):
@@ -104,7 +105,7 @@ class DenseEngine:
                                     for pair in batch]) for i in (0, 1))
                 repacked = 2 * B * self.store.kv_heads * width * self.store.head_dim * item
                 self.kv_bytes_copied += repacked
-                self.peak_transient_bytes = max(self.peak_transient_bytes, repacked)
+                self.last_transient_bytes = repacked
             outs.append(paged_attention_with_metadata(q, kb, vb, meta, scale=self.scale))
         return outs
 

@@ -37,6 +37,7 @@ class Slots:
 
     host: np.ndarray
     device: mx.array
+    allocator: PageAllocator   # the pool's, so a list checked against another pool is checked again
     version: int
 
 
@@ -108,7 +109,7 @@ class PagePool:
     def prepare_slots(self, slots) -> Slots:
         """Validates a slot list once, for writes into several layers (see `write`)."""
         arr = self._check_slots(slots)
-        return Slots(arr, mx.array(arr), self.allocator.version)
+        return Slots(arr, mx.array(arr), self.allocator, self.allocator.version)
 
     def write(self, layer: int, slots, keys: mx.array, values: mx.array) -> None:
         """Writes keys[t], values[t] (`[T, Hkv, D]`) at `slots[t]` of layer `layer`.
@@ -119,7 +120,8 @@ class PagePool:
         pages were allocated, shared or freed since.
         """
         layer = self._check_layer(layer)
-        if not isinstance(slots, Slots) or slots.version != self.allocator.version:
+        if not isinstance(slots, Slots) or slots.allocator is not self.allocator \
+                or slots.version != self.allocator.version:
             slots = self.prepare_slots(slots.host if isinstance(slots, Slots) else slots)
         for name, rows in (("keys", keys), ("values", values)):
             if not isinstance(rows, mx.array):
@@ -144,6 +146,10 @@ class PagePool:
         for p in src + dst:
             if not self.allocator.is_live(p):
                 raise ServingError("slot", f"page {p} is free; copies go between live pages")
+        for p in dst:
+            if self.allocator.ref_count(p) > 1:
+                raise ServingError("shared_write", f"page {p} is shared by {self.allocator.ref_count(p)} "
+                                                   "holders; a copy may only overwrite a private page")
         if len(set(dst)) != len(dst) or set(src) & set(dst):
             raise ServingError("page_id", "copy_pages destinations must be distinct and not sources")
         if not src:

@@ -10,8 +10,10 @@ Each `schedule()` builds one step:
    request not yet served this step (its K/V freed, re-queued at the front for
    recompute) and retry; a request that is itself the youngest preempts itself.
 `complete(step)` advances the served requests after the step ran and releases the
-finished ones. A request has `prompt_len` prompt positions and `max_new_tokens`
-decode positions; after a preemption its prefill covers the decoded ones too.
+finished ones. A request has `prompt_len` prompt positions and decodes `output_len`
+positions (where its end-of-sequence falls, unknown to the stores), at most
+`max_new_tokens` (the cap a store may reserve for); after a preemption its prefill
+covers the decoded positions too.
 
 | store method              | job                                                 |
 |---------------------------|-----------------------------------------------------|
@@ -42,11 +44,16 @@ class Request:
     rid: int
     prompt_len: int
     max_new_tokens: int
+    output_len: int | None = None   # defaults to max_new_tokens
     state: State = State.WAITING
     computed: int = 0       # positions whose K/V the store holds
     generated: int = 0      # decode positions completed
     preemptions: int = 0
     admitted: int = -1      # admission order; the youngest has the largest
+
+    def __post_init__(self):
+        if self.output_len is None:
+            self.output_len = self.max_new_tokens
 
     @property
     def prefill_target(self) -> int:
@@ -92,8 +99,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if req.rid in self._known:
             raise ServingError("request", f"request id {req.rid} was added already")
-        if req.prompt_len < 1 or req.max_new_tokens < 0:
-            raise ServingError("request", f"request {req.rid}: prompt_len must be >= 1 and max_new_tokens >= 0")
+        if req.prompt_len < 1 or not 0 <= req.output_len <= req.max_new_tokens:
+            raise ServingError("request", f"request {req.rid}: prompt_len must be >= 1 and "
+                                          "0 <= output_len <= max_new_tokens")
         if not self.store.could_ever_hold(req):
             raise ServingError("capacity", f"request {req.rid} ({req.prompt_len} + {req.max_new_tokens} positions) "
                                            "can never fit in the KV store, even alone")
@@ -146,7 +154,7 @@ class Scheduler:
             req.computed += work.count
             if work.decode:
                 req.generated += 1
-            if not req.in_prefill and req.generated == req.max_new_tokens:
+            if not req.in_prefill and req.generated == req.output_len:
                 self._retire(req, State.FINISHED)
                 finished.append(req)
         return finished
@@ -169,7 +177,7 @@ class Scheduler:
     def _work_for(self, req: Request) -> Work | None:
         if req.in_prefill:
             return Work(req, req.computed, min(self.prefill_step, req.prefill_target - req.computed), False)
-        if req.generated < req.max_new_tokens:
+        if req.generated < req.output_len:
             return Work(req, req.computed, 1, True)
         return None
 
