@@ -47,12 +47,13 @@ DEFAULT = Trace()
 QUICK = Trace(num_requests=8, prompt_range=(64, 512), output_range=(16, 64), layers=2)
 
 
-def make_store(trace: Trace, variant: str, budget_tokens: int):
+def make_store(trace: Trace, variant: str, budget_tokens: int, **pool_options):
     if variant == "dense":
         return DenseStore(num_layers=trace.layers, kv_heads=trace.kv_heads, head_dim=trace.head_dim,
                           dtype=trace.mx_dtype, budget_tokens=budget_tokens)
     pool = PagePool(num_layers=trace.layers, kv_heads=trace.kv_heads, head_dim=trace.head_dim,
-                    page_size=trace.page_size, dtype=trace.mx_dtype, num_pages=budget_tokens // trace.page_size)
+                    page_size=trace.page_size, dtype=trace.mx_dtype, num_pages=budget_tokens // trace.page_size,
+                    **pool_options)
     return PagedStore(pool)
 
 
@@ -62,13 +63,16 @@ def default_budget(trace: Trace) -> int:
     return trace.batch * -(-longest // trace.page_size) * trace.page_size
 
 
-def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, emit=None):
+def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, emit=None, on_step=None,
+                **pool_options):
     """Runs the whole trace; returns (metrics, {(rid, layer, position): crc32 of the output row}).
 
     `emit(rid, layer, position, row)`, if given, sees every output row as it is produced
-    (a recomputed position comes again; the digest keeps the last).
+    (a recomputed position comes again; the digest keeps the last); `on_step(scheduler,
+    store, step)` runs after every completed step (tests check invariants there);
+    `pool_options` go to the `PagePool` (fill, poison_freed).
     """
-    store = make_store(trace, variant, budget_tokens or default_budget(trace))
+    store = make_store(trace, variant, budget_tokens or default_budget(trace), **pool_options)
     engine = make_engine(variant, store)
     sched = Scheduler(store, max_batch=trace.batch, prefill_step=trace.prefill_step)
     for rid, prompt, output in trace.requests():
@@ -100,6 +104,8 @@ def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, em
         t0 = time.perf_counter()
         sched.complete(step)
         timed["schedule"] += time.perf_counter() - t0
+        if on_step is not None:
+            on_step(sched, store, step)
     paged = variant != "dense"
     stats = store.pool.stats() if paged else None
     total = sum(timed.values())

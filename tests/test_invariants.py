@@ -1,7 +1,10 @@
 """Operator-level invariants of REFERENCE.md section 2, each a named test.
 
-2 block table order, 6 batch invariance, 7 thread invariance, 8 prefill == decode,
-9 unused slots never read. Bitwise ones compare raw bytes, not values.
+1 context_lens select exactly the written positions, 2 block table order, 3 shared
+pages are only read, 6 batch invariance, 7 thread invariance, 8 prefill == decode,
+9 unused slots never read (10 is in test_rejections; 3, 4, 5 and 10 at the pool and
+cache level in test_serving_invariants; all ten through the scheduler in
+test_scheduler_invariants). Bitwise ones compare raw bytes, not values.
 """
 
 import mlx.core as mx
@@ -28,6 +31,36 @@ def _table_with_pages_reversed(case, b):
     n = -(-int(np.array(case.context_lens)[b]) // case.page_size)
     table[b, :n] = table[b, :n][::-1].copy()
     return case.with_(block_table=mx.array(table))
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_invariant_1_context_lens_select_exactly_the_written_positions(L):
+    """Positions 10 and 11 of the last page were never written (NaN): a context one too
+    long reads one and turns NaN, one too short drops a key; the true one matches."""
+    case = paged_case(context_lens=[10], query_len=L, page_size=4, seed=11)
+    lens = lambda n: case.with_(context_lens=mx.array([n], dtype=mx.int32))  # noqa: E731
+    out = case.run(impl.paged_attention)
+    assert not compare(out, case.args(), case.kwargs()).failures()
+    too_long = np.array(lens(11).run(impl.paged_attention))
+    assert np.isnan(too_long[:, :, -1]).all() and np.isfinite(too_long[:, :, :-1]).all()  # only the last row sees slot 10
+    short = lens(9)
+    out_short = short.run(impl.paged_attention)
+    assert not compare(out_short, short.args(), short.kwargs()).failures()
+    assert max_abs_error(out_short, np.array(out)) > 1e-3
+
+
+def test_invariant_3_shared_pages_are_only_read():
+    """Two rows naming the same physical pages (a shared prefix) each see them whole,
+    the twin rows agree bit for bit, and no pool bit changes."""
+    base = paged_case(context_lens=[13, 13], query_len=2, page_size=4, seed=13)
+    table = np.array(base.block_table)
+    table[1] = table[0]
+    shared = base.with_(block_table=mx.array(table), query=mx.concatenate([base.query[:1]] * 2))
+    before = [bits(shared.key_pages), bits(shared.value_pages)]
+    out = shared.run(impl.paged_attention)
+    assert not compare(out, shared.args(), shared.kwargs()).failures()
+    assert bits(out[0]) == bits(out[1])
+    assert [bits(shared.key_pages), bits(shared.value_pages)] == before
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -70,17 +70,19 @@ BAD = {
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
-def test_rejection(name):
+def test_invariant_10_rejection_leaves_inputs_and_outputs_untouched(name):
+    """Operator level of invariant 10 (pool and cache misuse: test_serving_invariants)."""
     mutate, clause, message = BAD[name]
     base = _base()
+    earlier = base.run(impl.paged_attention)
     case = mutate(base)
-    before = [bits(a) for a in (base.key_pages, base.value_pages, base.block_table, base.context_lens)]
+    state = (base.query, base.key_pages, base.value_pages, base.block_table, base.context_lens, earlier)
+    before = [bits(a) for a in state]
     with pytest.raises(impl.ContractViolation, match=message) as info:
         case.run(impl.paged_attention)
     assert info.value.clause == clause
     assert isinstance(info.value, ValueError)
-    after = [bits(a) for a in (base.key_pages, base.value_pages, base.block_table, base.context_lens)]
-    assert after == before
+    assert [bits(a) for a in state] == before
 
 
 def test_unread_table_entries_are_ignored():

@@ -13,15 +13,14 @@ import pytest
 import impl.engine
 from bench.serving import run_variant
 from fixtures.serving import make_pool
-from fixtures.trace import Trace
+from fixtures.trace import SMALL
 from impl.errors import ServingError
 from impl.scheduler import Request, Scheduler, State
 from impl.stores import PagedStore
 
 pytestmark = pytest.mark.correctness
 
-TINY = Trace(num_requests=6, prompt_range=(9, 40), output_range=(2, 9), batch=3, prefill_step=8,
-             layers=2, q_heads=4, kv_heads=2, head_dim=16, page_size=4)
+
 
 
 def scheduler(num_pages, *, max_batch=4, prefill_step=4):
@@ -127,7 +126,7 @@ def test_requests_that_cannot_run_are_refused(request_, clause):
 
 def _emissions(budget_tokens):
     seen = collections.defaultdict(list)
-    metrics, _ = run_variant(TINY, "paged", budget_tokens,
+    metrics, _ = run_variant(SMALL, "paged", budget_tokens,
                              emit=lambda rid, layer, pos, row: seen[(rid, layer, pos)].append(row.tobytes()))
     return metrics, seen
 
@@ -147,9 +146,9 @@ def test_preempted_then_recomputed_requests_match_uninterrupted_ones():
 def test_variants_agree_bit_for_bit_and_leak_nothing():
     digests = {}
     for variant in impl.engine.VARIANTS:
-        metrics, digests[variant] = run_variant(TINY, variant)
+        metrics, digests[variant] = run_variant(SMALL, variant)
         assert (metrics["leaked_pages"], metrics["whole_pool_copies"]) == (0, 0), variant
-    total = sum(p + o for _, p, o in TINY.requests()) * TINY.layers
+    total = sum(p + o for _, p, o in SMALL.requests()) * SMALL.layers
     assert len(digests["paged"]) == total
     assert digests["paged"] == digests["paged_gather"] == digests["dense"]
 
@@ -165,7 +164,7 @@ def test_metadata_is_built_once_per_group_not_per_layer(monkeypatch, variant, bu
     monkeypatch.setattr(impl.engine.PagedMetadata, "build", classmethod(counting))
     for layers in (1, 3):
         calls.clear()
-        metrics, _ = run_variant(dataclasses.replace(TINY, num_requests=2, layers=layers), variant)
+        metrics, _ = run_variant(dataclasses.replace(SMALL, num_requests=2, layers=layers), variant)
         groups = calls["build"] / builds
         assert groups == int(groups)
         if layers == 1:
