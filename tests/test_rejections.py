@@ -124,13 +124,23 @@ def test_metadata_build_rejects_bad_values():
                                  num_pages=7, query_len=3)
 
 
-@pytest.mark.parametrize("bad_id", [999, -1])
-def test_unchecked_kernel_never_reads_outside_the_pool(bad_id):
-    """The compiled entry point, called without the Python checks, turns a request with
-    an out-of-range page id into NaN instead of reading outside the pool; the other
-    requests are computed as usual."""
+UNCHECKED = {
+    "page-id-high": lambda c: c.with_(block_table=_table(c, 0, 1, 999)),
+    "page-id-negative": lambda c: c.with_(block_table=_table(c, 0, 1, -1)),
+    "context-past-table": lambda c: c.with_(context_lens=mx.array([13, 3], dtype=mx.int32)),
+    "context-short": lambda c: c.with_(context_lens=mx.array([2, 3], dtype=mx.int32)),
+    "context-negative": lambda c: c.with_(context_lens=mx.array([-4, 3], dtype=mx.int32)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNCHECKED))
+def test_unchecked_kernel_never_reads_outside_the_pool(name):
+    """The compiled entry point, called without the Python checks, turns a request it
+    cannot compute safely (page id outside the pool, a context past its table row or
+    shorter than L) into NaN instead of reading outside the pool; the other requests
+    are computed as usual."""
     base = _base()
-    bad = base.with_(block_table=_table(base, 0, 1, bad_id))
+    bad = UNCHECKED[name](base)
     args = bad.args()[:5] + (4, 8 ** -0.5, True, 0)
     out = np.array(pagecheck_kernels.paged_attention(*args))
     assert np.isnan(out[0]).all()

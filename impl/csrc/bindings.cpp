@@ -26,4 +26,9 @@ NB_MODULE(_kernels, m) {
   m.attr("CHUNK") = pagecheck::kChunk;
   m.attr("LANES") = pagecheck::kLanes;
   m.attr("DECODE_MAX_L") = pagecheck::kDecodeMaxL;
+#if defined(__FMA__) || defined(__aarch64__)
+  m.attr("FUSED_MULTIPLY_ADD") = true;  // numerics.h fmadd rounds once
+#else
+  m.attr("FUSED_MULTIPLY_ADD") = false;
+#endif
 }

@@ -75,7 +75,8 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
       float* o = s.acc_o.data();
       for (int c = 0; c < group.chunks; ++c) {
         const int64_t slot = (group.first_task + c) * R + r;
-        merge_state(m, l, o, part_ml[2 * slot], part_ml[2 * slot + 1], part_o.data() + slot * D, D);
+        merge_state(m, l, o, part_ml[2 * slot], part_ml[2 * slot + 1], part_o.data() + slot * D, D,
+                    pr.qk_scale);
       }
       const int h = group.g * G + r / L;
       finish_row<E>(l, o, out + pr.query_offset(group.b, h, r % L), D);

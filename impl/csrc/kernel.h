@@ -27,7 +27,12 @@ constexpr int kDecodeMaxL = 8;
 
 struct Problem {
   int B, Hq, Hkv, L, D, P, page_size, max_pages;
-  float qk_scale;  // scale * log2(e): scores live in the log2 domain
+  // Scores are kept as sign(scale) * q.k, so the softmax max is a plain max whatever
+  // the scale's sign; the max is subtracted before scaling by |scale| * log2(e), so the
+  // exponent (s - m) * qk_scale keeps its accuracy at huge logits (no rounding of
+  // s * scale on a coarse grid before the difference is taken).
+  float score_sign;  // +1 or -1
+  float qk_scale;    // |scale| * log2(e)
   bool causal;
   int window;  // 0: no window
   const int32_t* block_table;
@@ -148,7 +153,7 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
       if (clo[r] >= jb + n || chi[r] <= jb) continue;
       float* sc = s.scores.data() + r * stride + (jb - jlo);
       scores16(q32 + static_cast<int64_t>(r) * D, block_rows, D, sc);
-      for (int k = 0; k < n; ++k) sc[k] *= pr.qk_scale;
+      for (int k = 0; k < n; ++k) sc[k] *= pr.score_sign;  // exact
     }
   }
   // Softmax numerators and denominators, per row, over its visible keys only.
@@ -157,7 +162,7 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     float* sc = s.scores.data() + r * stride + (clo[r] - jlo);  // key clo[r] onwards
     const int n = chi[r] - clo[r];
     const float m = max_of(sc, n);
-    for (int i = 0; i < n; ++i) sc[i] = exp2_nonpositive(sc[i] - m);
+    for (int i = 0; i < n; ++i) sc[i] = exp2_nonpositive((sc[i] - m) * pr.qk_scale);
     ml[2 * r] = m;
     ml[2 * r + 1] = lane_sum(sc, clo[r], n);
   }

@@ -164,18 +164,12 @@ inline void axpy(float p, const float* v, float* o, int D) {
   for (int d = 0; d < D; ++d) o[d] = fmadd(p, v[d], o[d]);
 }
 
-// The softmax state of one query row over some keys: running max m (log2 domain),
-// denominator l and unnormalized output o[D]. l == 0 marks "no key seen".
-struct RowState {
-  float* m;
-  float* l;
-  float* o;
-};
-
-// Fold a chunk's state into the accumulated one. The first chunk is copied, so the
-// result never depends on an identity element or on -inf arithmetic.
+// Fold a chunk's state into the accumulated one. A state is (m, l, o): the max signed
+// score m (unscaled, see Problem::qk_scale), the denominator l and the unnormalized
+// output o[D]; l == 0 marks "no key seen". The first chunk is copied, so the result
+// never depends on an identity element or on -inf arithmetic.
 inline void merge_state(float& acc_m, float& acc_l, float* acc_o, float part_m, float part_l,
-                        const float* part_o, int D) {
+                        const float* part_o, int D, float qk_scale) {
   if (part_l == 0.f) return;
   if (acc_l == 0.f) {
     acc_m = part_m;
@@ -184,8 +178,8 @@ inline void merge_state(float& acc_m, float& acc_l, float* acc_o, float part_m, 
     return;
   }
   const float m = acc_m > part_m ? acc_m : part_m;
-  const float a = exp2_nonpositive(acc_m - m);
-  const float b = exp2_nonpositive(part_m - m);
+  const float a = exp2_nonpositive((acc_m - m) * qk_scale);
+  const float b = exp2_nonpositive((part_m - m) * qk_scale);
   acc_m = m;
   acc_l = fmadd(part_l, b, acc_l * a);
   for (int d = 0; d < D; ++d) acc_o[d] = fmadd(part_o[d], b, acc_o[d] * a);

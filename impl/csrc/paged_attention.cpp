@@ -96,7 +96,8 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
     pr.Hkv = kp.shape(1);
     pr.page_size = page_size;
     pr.max_pages = bt.shape(1);
-    pr.qk_scale = scale * kLog2e;
+    pr.score_sign = scale < 0.f ? -1.f : 1.f;
+    pr.qk_scale = std::fabs(scale) * kLog2e;
     pr.causal = causal;
     pr.window = window;
     pr.block_table = bt.data<int32_t>();

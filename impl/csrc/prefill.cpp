@@ -65,7 +65,7 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T*
       for (int r = 0; r < R; ++r) {
         merge_state(s.acc_ml[2 * r], s.acc_ml[2 * r + 1], s.acc_o.data() + static_cast<int64_t>(r) * D,
                     s.chunk_ml[2 * r], s.chunk_ml[2 * r + 1],
-                    s.chunk_o.data() + static_cast<int64_t>(r) * D, D);
+                    s.chunk_o.data() + static_cast<int64_t>(r) * D, D, pr.qk_scale);
       }
     }
     for (int r = 0; r < R; ++r) {

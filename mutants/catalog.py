@@ -1,0 +1,74 @@
+"""Loading and checking the declarative mutant catalog.
+
+Each `mutants/catalog/*.toml` file holds `[[mutant]]` entries:
+
+| key           | meaning                                                            |
+|---------------|--------------------------------------------------------------------|
+| `id`          | unique name, `area-what` (e.g. `kernel-gqa-round-robin`)           |
+| `file`        | target file, relative to the repository root                       |
+| `original`    | the exact snippet it replaces; must occur exactly once in `file`   |
+| `replacement` | the bug                                                            |
+| `breaks`      | the invariant or contract clause it breaks (REFERENCE.md)          |
+| `killers`     | pytest node ids (or files) expected to kill it; run first           |
+
+A snippet that is missing or occurs more than once makes the whole run fail: the
+catalog cannot silently rot as the code changes.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+CATALOG = Path(__file__).parent / "catalog"
+NATIVE = ("impl/csrc/", "CMakeLists.txt")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str
+    original: str
+    replacement: str
+    breaks: str
+    killers: tuple[str, ...]
+    source: str
+
+    @property
+    def native(self) -> bool:
+        return self.file.startswith(NATIVE)
+
+    def apply(self, text: str) -> str:
+        return text.replace(self.original, self.replacement, 1)
+
+
+def load(catalog: Path = CATALOG) -> list[Mutant]:
+    mutants, seen = [], set()
+    for path in sorted(catalog.glob("*.toml")):
+        for entry in tomllib.loads(path.read_text())["mutant"]:
+            missing = {"id", "file", "original", "replacement", "breaks", "killers"} - set(entry)
+            if missing:
+                raise ValueError(f"{path.name}: mutant {entry.get('id', '?')} lacks {sorted(missing)}")
+            if entry["id"] in seen:
+                raise ValueError(f"{path.name}: mutant id {entry['id']} appears twice")
+            if entry["original"] == entry["replacement"]:
+                raise ValueError(f"{path.name}: mutant {entry['id']} changes nothing")
+            seen.add(entry["id"])
+            mutants.append(Mutant(entry["id"], entry["file"], entry["original"], entry["replacement"],
+                                  entry["breaks"], tuple(entry["killers"]), path.name))
+    return mutants
+
+
+def problems(mutants: list[Mutant], root: Path) -> list[str]:
+    """Every mutant whose file is missing or whose original is not there exactly once."""
+    found = []
+    for m in mutants:
+        path = root / m.file
+        if not path.is_file():
+            found.append(f"{m.id}: {m.file} does not exist")
+            continue
+        count = path.read_text().count(m.original)
+        if count != 1:
+            found.append(f"{m.id}: its original snippet occurs {count} times in {m.file} (must be exactly once)")
+    return found

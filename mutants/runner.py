@@ -1,0 +1,237 @@
+"""`python -m mutants`: apply each seeded mutant to a scratch copy and prove the suite kills it.
+
+    python -m mutants [--json PATH] [--markdown PATH] [--only ID ...] [--jobs N]
+
+For each worker (one per core by default) the runner copies the tree into a scratch
+directory — the working tree is never touched — and keeps a CMake build directory
+there, so a C++ mutant costs an incremental rebuild of the files it touched. A mutant
+is applied from the pristine text, its expected killers run first (`pytest -x`), then,
+if they all pass, the whole correctness suite fail-fast. The first failing test is the
+killer; a crash or a time-out also kills (the suite noticed). A mutant that does not
+compile is a catalog error. The exit status is 0 only when every mutant was killed and
+every original snippet occurs exactly once in the current tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .catalog import Mutant, load, problems
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTEST = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "--no-header", "-p", "no:cacheprovider",
+          "-p", "no:randomly"]
+FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
+TIMEOUT_S = 300
+
+
+def _tracked_files(root: Path) -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=root, check=True,
+                             capture_output=True, text=True).stdout
+        return [f for f in out.splitlines() if (root / f).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".venv", "build", ".git", "__pycache__", "reports", ".hypothesis", ".benchmarks"}
+        return [str(p.relative_to(root)) for p in root.rglob("*")
+                if p.is_file() and not skip & set(p.relative_to(root).parts)]
+
+
+class Worker:
+    """One scratch copy of the tree with its own incremental build of the kernels."""
+
+    def __init__(self, index: int, base: Path, files: list[str]):
+        self.dir = base / f"worker{index}"
+        for f in files:
+            (self.dir / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, self.dir / f)
+        self.build = self.dir / "build" / "mutant"
+        self.kernels = self.dir / "build" / "mutant-python"
+        self.configured = False
+
+    def run(self, mutant: Mutant) -> dict:
+        start = time.perf_counter()
+        path = self.dir / mutant.file
+        pristine = path.read_text()
+        path.write_text(mutant.apply(pristine))
+        try:
+            env = self._env(mutant)
+            if mutant.native:
+                built, log = self._build()
+                if not built:
+                    return self._result(mutant, "invalid", f"does not compile: {log[-300:]}", start)
+            for args in ([*mutant.killers], ["-m", "correctness"]):
+                verdict = self._pytest(args, env)
+                if verdict:
+                    return self._result(mutant, "killed", verdict, start)
+            return self._result(mutant, "survived", None, start)
+        finally:
+            path.write_text(pristine)
+
+    def baseline(self, killers: list[str]) -> str | None:
+        """On the unmutated copy every killer and the correctness suite must pass, or a
+        kill would mean nothing. Returns the failing test, or None."""
+        env = self._env(None)
+        for args in (killers, ["-m", "correctness"]):
+            verdict = self._pytest(args, env)
+            if verdict:
+                return verdict
+        return None
+
+    def _env(self, mutant: Mutant | None) -> dict:
+        env = dict(os.environ, PAGECHECK_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        # A native mutant's kernels shadow the installed ones (PYTHONPATH comes first).
+        paths = [str(self.kernels)] if mutant is not None and mutant.native else []
+        env["PYTHONPATH"] = os.pathsep.join(paths + [str(self.dir)])
+        return env
+
+    def _build(self) -> tuple[bool, str]:
+        steps = [] if self.configured else [[
+            "cmake", "-S", str(self.dir), "-B", str(self.build), *(["-G", "Ninja"] if shutil.which("ninja") else []),
+            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DPython_EXECUTABLE={sys.executable}"]]
+        steps.append(["cmake", "--build", str(self.build)])
+        for cmd in steps:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                return False, proc.stdout + proc.stderr
+        self.configured = True
+        package = self.kernels / "pagecheck_kernels"
+        package.mkdir(parents=True, exist_ok=True)
+        for so in self.build.glob("_kernels*.so"):
+            shutil.copy2(so, package / so.name)
+        shutil.copy2(self.dir / "impl/csrc/pagecheck_kernels_init.py", package / "__init__.py")
+        return True, ""
+
+    def _pytest(self, args: list[str], env: dict) -> str | None:
+        """The first failing test's id, 'timeout' or 'crash ...'; None when all pass."""
+        try:
+            proc = subprocess.run(PYTEST + args, cwd=self.dir, env=env, capture_output=True, text=True,
+                                  timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return f"timeout after {TIMEOUT_S} s"
+        if proc.returncode == 0:
+            return None
+        if proc.returncode < 0:
+            return f"crash (signal {-proc.returncode}) in {' '.join(args)}"
+        failed = FAILED.findall(proc.stdout)
+        if failed:
+            return failed[0]
+        if proc.returncode == 5:          # no tests collected: a catalog error, not a kill
+            raise RuntimeError(f"no tests collected for {args}")
+        return f"pytest exit {proc.returncode}: {proc.stdout.strip().splitlines()[-1:]}"
+
+    @staticmethod
+    def _result(mutant: Mutant, status: str, killed_by, start) -> dict:
+        return {"id": mutant.id, "status": status, "killed_by": killed_by,
+                "seconds": round(time.perf_counter() - start, 1), "file": mutant.file, "breaks": mutant.breaks}
+
+
+class Progress:
+    def __init__(self, total: int):
+        self.total, self.done, self.counts, self.lock = total, 0, {}, threading.Lock()
+        self._draw()
+
+    def add(self, result: dict) -> None:
+        with self.lock:
+            self.done += 1
+            self.counts[result["status"]] = self.counts.get(result["status"], 0) + 1
+            self._draw(result["id"])
+
+    def _draw(self, last: str = "") -> None:
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        counts = " ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
+        end = "\n" if self.done == self.total else ""
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {counts}"
+                         f"  {last[:40]:<40}{end}")
+        sys.stderr.flush()
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| mutant | breaks | status | killed by | s |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| `{r['id']}` | {r['breaks']} | {r['status']} | {r['killed_by'] or '-'} | {r['seconds']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Run the seeded-mutant catalog against the suite.")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    parser.add_argument("--markdown", metavar="PATH", help="write the results table here")
+    parser.add_argument("--only", nargs="+", metavar="ID", help="run only these mutants")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel workers (default: cores)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip checking that the unmutated tree passes (only right after a green run)")
+    args = parser.parse_args(argv)
+
+    catalog = load()
+    broken = problems(catalog, ROOT)
+    for line in broken:
+        print(f"catalog error: {line}", file=sys.stderr)
+    selected = [m for m in catalog if not args.only or m.id in args.only]
+    unknown = set(args.only or ()) - {m.id for m in catalog}
+    if unknown:
+        print(f"unknown mutant ids: {sorted(unknown)}", file=sys.stderr)
+        return 2
+    selected = [m for m in selected if not any(line.startswith(m.id + ":") for line in broken)]
+    # Native mutants first: their builds are the slow part, so they spread over workers early.
+    selected.sort(key=lambda m: not m.native)
+
+    base = Path(tempfile.mkdtemp(prefix="pagecheck-mutants-"))
+    started = time.perf_counter()
+    try:
+        files = _tracked_files(ROOT)
+        jobs = max(1, min(args.jobs, len(selected)))
+        workers = [Worker(i, base, files) for i in range(jobs)]
+        if not args.no_baseline:
+            print("baseline: the killers and the correctness suite on the unmutated tree ...", file=sys.stderr)
+            failing = workers[0].baseline(sorted({k for m in selected for k in m.killers}))
+            if failing:
+                print(f"baseline failed ({failing}): fix the suite before judging mutants", file=sys.stderr)
+                return 2
+        free = list(workers)
+        lock = threading.Lock()
+        progress = Progress(len(selected))
+
+        def task(mutant: Mutant) -> dict:
+            with lock:
+                worker = free.pop()
+            try:
+                result = worker.run(mutant)
+            finally:
+                with lock:
+                    free.append(worker)
+            progress.add(result)
+            return result
+
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            results = list(pool.map(task, selected))
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+    killed = sum(r["status"] == "killed" for r in results)
+    report = {"total": len(results), "killed": killed, "survived": sum(r["status"] == "survived" for r in results),
+              "invalid": sum(r["status"] == "invalid" for r in results), "catalog_errors": broken,
+              "seconds": round(time.perf_counter() - started, 1), "mutants": results}
+    table = markdown(results)
+    print(table)
+    print(f"\n{killed}/{len(results)} mutants killed in {report['seconds']} s"
+          + (f"; {len(broken)} catalog error(s)" if broken else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    return 0 if killed == len(results) and not broken else 1
