@@ -4,15 +4,36 @@ readable report) and the shared recorder of numeric errors."""
 from __future__ import annotations
 
 import collections
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# --- hypothesis profiles (tests/test_properties.py, tests/test_state_machine.py) ---------
+# "ci" (default): fixed examples (derandomize) and no example database, so runs are
+# reproducible. "thorough": random and many more examples; each state machine runs
+# max_examples x stateful_step_count >= 10^4 steps; tests/test_properties.py runs 4 x
+# max_examples per operator property and max_examples per rejection kind.
+# Select with `pytest --hypothesis-profile thorough` or HYPOTHESIS_PROFILE=thorough.
+# Hypothesis's own files (the thorough example database, its cache of source constants)
+# go to the temp dir, not to .hypothesis/ in the checkout.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "pagecheck-hypothesis"))
+
+settings.register_profile("ci", max_examples=30, stateful_step_count=25, deadline=None,
+                          derandomize=True, database=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=250, stateful_step_count=50, deadline=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# --- end of hypothesis profiles -----------------------------------------------------------
 
 AREAS = {
     "test_oracles": "oracles agree on the hand example and each other",
     "test_differential": "kernel vs the four oracles (tolerance rule)",
     "test_schedules": "decode/prefill schedules, chunk and page edges",
-    "test_invariants": "bitwise invariants 2, 6, 7, 8, 9",
+    "test_invariants": "operator invariants 1, 2, 3, 6, 7, 8, 9",
     "test_rejections": "bad input: specific error, nothing written",
     "test_runtime": "worker threads, GPU path",
     "test_pool": "page pool: allocation, reference counts, in-place writes",
@@ -20,6 +41,13 @@ AREAS = {
     "test_serving_invariants": "serving invariants 1, 3, 4, 5, 10",
     "test_scheduler": "scheduler: admission, preemption, variants agree",
     "test_model": "mlx-lm Qwen3: paged tokens == dense tokens",
+    "test_hand_fixtures": "hand fixtures: answers derived by hand",
+    "test_golden_bits": "canonical arithmetic: pinned output bits",
+    "test_scheduler_invariants": "invariants 1-10 through the scheduler",
+    "test_properties": "hypothesis: random layouts vs float64, rejections",
+    "test_state_machine": "hypothesis: pool/cache/scheduler state machines",
+    "test_edges": "edges: last page, full rows, tails, tiles past a page",
+    "test_fuzz_boundary": "fuzzed metadata: specific error or correct result",
 }
 
 

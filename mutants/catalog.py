@@ -10,6 +10,7 @@ Each `mutants/catalog/*.toml` file holds `[[mutant]]` entries:
 | `replacement` | the bug                                                            |
 | `breaks`      | the invariant or contract clause it breaks (REFERENCE.md)          |
 | `killers`     | pytest node ids (or files) expected to kill it; run first           |
+| `slow`        | optional: its killers include tests marked slow (else they are deselected) |
 
 A snippet that is missing or occurs more than once makes the whole run fail: the
 catalog cannot silently rot as the code changes.
@@ -34,6 +35,7 @@ class Mutant:
     breaks: str
     killers: tuple[str, ...]
     source: str
+    slow: bool = False
 
     @property
     def native(self) -> bool:
@@ -56,7 +58,8 @@ def load(catalog: Path = CATALOG) -> list[Mutant]:
                 raise ValueError(f"{path.name}: mutant {entry['id']} changes nothing")
             seen.add(entry["id"])
             mutants.append(Mutant(entry["id"], entry["file"], entry["original"], entry["replacement"],
-                                  entry["breaks"], tuple(entry["killers"]), path.name))
+                                  entry["breaks"], tuple(entry["killers"]), path.name,
+                                  bool(entry.get("slow", False))))
     return mutants
 
 

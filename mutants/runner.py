@@ -6,7 +6,8 @@ For each worker (one per core by default) the runner copies the tree into a scra
 directory — the working tree is never touched — and keeps a CMake build directory
 there, so a C++ mutant costs an incremental rebuild of the files it touched. A mutant
 is applied from the pristine text, its expected killers run first (`pytest -x`), then,
-if they all pass, the whole correctness suite fail-fast. The first failing test is the
+if they all pass, the whole correctness suite fail-fast (tests marked slow only where
+a mutant's entry says `slow = true`). The first failing test is the
 killer; a crash or a time-out also kills (the suite noticed). A mutant that does not
 compile is a catalog error. The exit status is 0 only when every mutant was killed and
 every original snippet occurs exactly once in the current tree.
@@ -70,7 +71,8 @@ class Worker:
                 built, log = self._build()
                 if not built:
                     return self._result(mutant, "invalid", f"does not compile: {log[-300:]}", start)
-            for args in ([*mutant.killers], ["-m", "correctness"]):
+            killers = [*mutant.killers] + ([] if mutant.slow else ["-m", "not slow"])
+            for args in (killers, ["-m", "correctness and not slow"]):
                 verdict = self._pytest(args, env)
                 if verdict:
                     return self._result(mutant, "killed", verdict, start)
@@ -82,7 +84,7 @@ class Worker:
         """On the unmutated copy every killer and the correctness suite must pass, or a
         kill would mean nothing. Returns the failing test, or None."""
         env = self._env(None)
-        for args in (killers, ["-m", "correctness"]):
+        for args in (killers + ["-m", "not slow"], ["-m", "correctness and not slow"]):
             verdict = self._pytest(args, env)
             if verdict:
                 return verdict

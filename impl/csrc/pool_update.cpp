@@ -52,6 +52,7 @@ void write_rows(mx::array& pool, const mx::array& rows, const mx::array& slots) 
 
 void copy_whole_pages(mx::array& pool, const mx::array& src, const mx::array& dst) {
   const int64_t P = pool.shape(0);
+  if (P == 0) return;
   const int64_t page_bytes = pool.nbytes() / P;  // a page is one contiguous [Hkv, ps, D] block
   const int32_t* s = src.data<int32_t>();
   const int32_t* d = dst.data<int32_t>();

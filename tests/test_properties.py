@@ -1,0 +1,121 @@
+"""Property tests of the operator on random paged layouts (fixtures/strategies.py).
+
+Each example is one `paged_case` layout: random shapes (D and page sizes off the
+multiples of 16, GQA ratios 1..4, L on both the decode and the prefill schedule),
+random page ids with free pages between them, NaN in every free page and tail slot,
+empty rows. The kernel must match the float64 oracle under the tolerance rule, return
+no NaN, keep dtype and shape, give empty rows exact zeros, compute each request as it
+would alone (6) and each prefill row as its one-token decode (8); rejected metadata
+raises `ContractViolation` before the kernel is reached; unread table entries are
+never checked or read. Each test runs PROPERTY_EXAMPLES_FACTOR times the hypothesis
+profile's max_examples (conftest.py): an example costs milliseconds, a state-machine
+example (the profile's other user) a hundred times more.
+"""
+
+from unittest import mock
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import assume, given, note, settings
+from hypothesis import strategies as st
+
+import impl
+import impl.attention
+import oracles
+from fixtures import bits, paged_case, to_numpy
+from fixtures.strategies import REJECTIONS, applicable, corruptions, layouts
+from oracles.compare import value_scale
+from oracles.tolerance import Verdict, allowed_error, max_abs_error
+
+pytestmark = pytest.mark.correctness
+
+PROPERTY_EXAMPLES_FACTOR = 4
+examples = settings(max_examples=PROPERTY_EXAMPLES_FACTOR * settings.default.max_examples)
+
+
+def _verdict(case, out) -> Verdict:
+    ref = case.run(oracles.float64)
+    sdpa = case.run(oracles.MLX_ORACLES["sdpa"])
+    allowed = allowed_error(case.dtype, ref, max_abs_error(sdpa, ref), value_scale(case.value_pages))
+    return Verdict(max_abs_error(out, ref), allowed)
+
+
+@examples
+@given(layout=layouts())
+def test_kernel_matches_float64_oracle(layout, error_log):
+    case = paged_case(**layout)
+    out = case.run(impl.paged_attention)
+    assert out.dtype == case.dtype and out.shape == case.query.shape
+    got = to_numpy(out)
+    assert np.isfinite(got).all(), "NaN or inf in the output: an unused slot or free page was read"
+    empty = np.array(case.context_lens) == 0
+    assert not got[empty].any(), "an empty row must be exact zeros"
+    verdict = _verdict(case, out)
+    note(str(verdict))
+    error_log.record(case.dtype, "impl", verdict)
+    assert verdict.ok, verdict
+
+
+@examples
+@given(layout=layouts(), data=st.data())
+def test_batch_and_schedule_invariance(layout, data):
+    """6: a request alone gives the bits it gets in the batch. 8: a prefill's query row l
+    equals the one-token decode at its position, bit for bit."""
+    case = paged_case(**layout)
+    out = case.run(impl.paged_attention)
+    b = data.draw(st.integers(0, len(layout["context_lens"]) - 1), label="request alone")
+    alone = case.with_(query=case.query[b:b + 1], block_table=case.block_table[b:b + 1],
+                       context_lens=case.context_lens[b:b + 1])
+    assert bits(alone.run(impl.paged_attention)) == bits(out[b:b + 1])
+    L = layout["query_len"]
+    if L > 1:
+        row = data.draw(st.sampled_from(sorted({0, L - 1, L // 2})), label="prefill row")
+        decode = case.decode_row(row)
+        assert bits(decode.run(impl.paged_attention)) == bits(out[:, :, row:row + 1])
+
+
+class _Spy:
+    """Stands in for the compiled module: any call into it is a computation."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a, **k: self.calls.append(name)
+
+
+@pytest.mark.parametrize("kind", sorted(REJECTIONS))
+@settings(max_examples=settings.default.max_examples)
+@given(layout=layouts(), data=st.data())
+def test_rejected_metadata_raises_before_computing(kind, layout, data):
+    """Each kind of rejected metadata raises its clause; the compiled kernel is never
+    called and the inputs keep their bits."""
+    case = paged_case(**layout)
+    assume(kind in applicable(case))
+    bad = data.draw(corruptions(case, kind), label="corruption")
+    broken = bad.apply(case)
+    before = [bits(a) for a in (case.key_pages, case.value_pages, case.query)]
+    spy = _Spy()
+    with mock.patch.object(impl.attention, "_kernels", spy):
+        with pytest.raises(impl.ContractViolation) as info:
+            broken.run(impl.paged_attention)
+    assert info.value.clause == bad.clause, info.value
+    assert spy.calls == [], f"the kernel was called ({spy.calls}) on rejected input"
+    assert [bits(a) for a in (broken.key_pages, broken.value_pages, broken.query)] == before
+
+
+@examples
+@given(layout=layouts(), data=st.data())
+def test_unread_table_entries_are_neither_checked_nor_read(layout, data):
+    case = paged_case(**layout)
+    table, lens = np.array(case.block_table), np.array(case.context_lens)
+    need = -(-lens // case.page_size)
+    unread = np.arange(table.shape[1])[None, :] >= need[:, None]
+    if not unread.any():
+        return
+    garbage = data.draw(st.lists(st.integers(-2 ** 31, 2 ** 31 - 1), min_size=int(unread.sum()),
+                                 max_size=int(unread.sum())), label="unread entries")
+    table[unread] = garbage
+    scrambled = case.with_(block_table=mx.array(table))
+    assert bits(scrambled.run(impl.paged_attention)) == bits(case.run(impl.paged_attention))
