@@ -5,7 +5,8 @@
 For each worker (one per core by default) the runner copies the tree into a scratch
 directory — the working tree is never touched — and keeps a CMake build directory
 there, so a C++ mutant costs an incremental rebuild of the files it touched. A mutant
-is applied from the pristine text, its expected killers run first (`pytest -x`), then,
+is applied from the pristine text (C++ builds use -O1: the arithmetic is fixed by the
+other flags, so the bits are those of the -O3 build), its expected killers run first (`pytest -x`), then,
 if they all pass, the whole correctness suite fail-fast (tests marked slow only where
 a mutant's entry says `slow = true`). The first failing test is the
 killer; a crash or a time-out also kills (the suite noticed). A mutant that does not
@@ -51,7 +52,7 @@ def _tracked_files(root: Path) -> list[str]:
 class Worker:
     """One scratch copy of the tree with its own incremental build of the kernels."""
 
-    def __init__(self, index: int, base: Path, files: list[str]):
+    def __init__(self, index: int, base: Path, files: list[str], build_jobs: int = 1):
         self.dir = base / f"worker{index}"
         for f in files:
             (self.dir / f).parent.mkdir(parents=True, exist_ok=True)
@@ -59,6 +60,7 @@ class Worker:
         self.build = self.dir / "build" / "mutant"
         self.kernels = self.dir / "build" / "mutant-python"
         self.configured = False
+        self.build_jobs = build_jobs
 
     def run(self, mutant: Mutant) -> dict:
         start = time.perf_counter()
@@ -100,9 +102,9 @@ class Worker:
     def _build(self) -> tuple[bool, str]:
         steps = [] if self.configured else [[
             "cmake", "-S", str(self.dir), "-B", str(self.build), *(["-G", "Ninja"] if shutil.which("ninja") else []),
-            "-DCMAKE_BUILD_TYPE=Release",
+            "-DCMAKE_BUILD_TYPE=Release", "-DPAGECHECK_OPT_LEVEL=-O1",  # same bits, faster builds
             f"-DPython_EXECUTABLE={sys.executable}"]]
-        steps.append(["cmake", "--build", str(self.build)])
+        steps.append(["cmake", "--build", str(self.build), "--parallel", str(self.build_jobs)])
         for cmd in steps:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
@@ -196,7 +198,8 @@ def main(argv=None) -> int:
     try:
         files = _tracked_files(ROOT)
         jobs = max(1, min(args.jobs, len(selected)))
-        workers = [Worker(i, base, files) for i in range(jobs)]
+        build_jobs = max(1, (os.cpu_count() or 1) // jobs)
+        workers = [Worker(i, base, files, build_jobs) for i in range(jobs)]
         if not args.no_baseline:
             print("baseline: the killers and the correctness suite on the unmutated tree ...", file=sys.stderr)
             failing = workers[0].baseline(sorted({k for m in selected for k in m.killers}))

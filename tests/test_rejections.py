@@ -145,3 +145,13 @@ def test_unchecked_kernel_never_reads_outside_the_pool(name):
     out = np.array(pagecheck_kernels.paged_attention(*args))
     assert np.isnan(out[0]).all()
     assert bits(mx.array(out[1:])) == bits(base.run(impl.paged_attention)[1:])
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint32, np.float32])
+def test_metadata_build_rejects_numpy_metadata_that_is_not_int32(dtype):
+    base = _base()
+    for table, lens, name in ((np.array(base.block_table).astype(dtype), np.array(base.context_lens), "block_table"),
+                              (np.array(base.block_table), np.array(base.context_lens).astype(dtype), "context_lens")):
+        with pytest.raises(impl.ContractViolation, match=rf"{name} must be int32, got {np.dtype(dtype).name}") as e:
+            impl.PagedMetadata.build(table, lens, page_size=4, num_pages=7, query_len=3)
+        assert e.value.clause == "metadata_dtype"
