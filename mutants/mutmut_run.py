@@ -1,0 +1,250 @@
+"""`python -m mutants.mutmut_run`: mutmut 3 over the Python serving core, in a scratch copy.
+
+    python -m mutants.mutmut_run [--json PATH] [--max-children N] [--keep]
+                                 [--only-mutate GLOB ...] [MUTANT_NAME_OR_GLOB ...]
+
+mutmut writes its work dir `mutants/` at the project root, which is this package (the
+seeded-mutant catalog), so it never runs in the checkout: the runner copies the tree
+(`git ls-files -co --exclude-standard`, as `python -m mutants` does) into a fresh
+temp dir without this package, runs `mutmut run` there with this interpreter (config:
+`[tool.mutmut]` in pyproject.toml), then reads mutmut's results (the `.meta` files
+that `mutmut results` prints) and reports total, killed, survived, timeouts,
+suspicious and the score, with every survivor's file:line and change.
+
+Survivors judged equivalent live in `mutants/mutmut_equivalent.toml`. An entry names
+the mutated function and the exact changed line before and after; it applies to the
+survivor with that change (the mutant number is kept for reference only, since it
+shifts when the function changes). An entry that matches no survivor is reported as
+stale. The score counts killed and timed-out mutants over all mutants less the skipped
+and the recorded equivalents; the exit status is 0 when it is >= 90%.
+
+`--only-mutate` narrows `only_mutate` in the copy's config (a trial on one file);
+mutant names (or globs) rerun just those mutants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+from .runner import ROOT, _tracked_files
+
+EQUIVALENTS = Path(__file__).with_name("mutmut_equivalent.toml")
+THRESHOLD = 0.90
+CATALOG_DIR = "mutants"  # this package; the copy leaves it out so mutmut can use the name
+MUTMUT = [sys.executable, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]
+DETECTED = ("killed", "timeout")
+
+
+def make_copy(base: Path, only_mutate: list[str] | None) -> Path:
+    tree = base / "tree"
+    for f in _tracked_files(ROOT):
+        if Path(f).parts[0] == CATALOG_DIR:
+            continue
+        (tree / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, tree / f)
+    if only_mutate:
+        config = tree / "pyproject.toml"
+        text, n = re.subn(r"(?m)^only_mutate = \[.*\]$", "only_mutate = " + json.dumps(only_mutate),
+                          config.read_text())
+        if n != 1:
+            raise SystemExit("pyproject.toml: no single-line only_mutate in [tool.mutmut] to narrow")
+        config.write_text(text)
+    return tree
+
+
+def run_mutmut(tree: Path, max_children: int, names: list[str]) -> int:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYPOTHESIS_PROFILE")}
+    env.update(PAGECHECK_NUM_THREADS="1", HYPOTHESIS_PROFILE="ci")
+    cmd = MUTMUT + ["run", "--max-children", str(max_children), *names]
+    print(f"$ cd {tree} && mutmut run --max-children {max_children} {' '.join(names)}", file=sys.stderr)
+    return subprocess.run(cmd, cwd=tree, env=env, stdout=sys.stderr).returncode
+
+
+@contextlib.contextmanager
+def _cwd(path: Path):
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def _changed_lines(diff: str) -> tuple[str, str, int]:
+    """(original, mutated, line of the first change counted from the function's first line)
+    of a `mutmut show` diff; lines are stripped and joined with newlines."""
+    before, after, first, rel = [], [], None, 0
+    for line in diff.splitlines():
+        if line.startswith(("---", "+++")):
+            continue
+        if line.startswith("@@"):
+            rel = int(re.match(r"@@ -(\d+)", line).group(1)) - 1
+            continue
+        if line.startswith("-"):
+            first = rel if first is None else first
+            before.append(line[1:].strip())
+            rel += 1
+        elif line.startswith("+"):
+            first = rel if first is None else first
+            after.append(line[1:].strip())
+        else:
+            rel += 1
+    return "\n".join(before), "\n".join(after), first or 0
+
+
+def _function_spans(source: str) -> dict[str, tuple[int, int]]:
+    """'Class.method' / 'function' -> (first line incl. decorators, last line), 1-based."""
+    spans = {}
+    for node in ast.parse(source).body:
+        members = [(node, "")] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
+            [(m, node.name + ".") for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))] \
+            if isinstance(node, ast.ClassDef) else []
+        for fn, prefix in members:
+            start = min([d.lineno for d in fn.decorator_list] + [fn.lineno])
+            spans[prefix + fn.name] = (start, fn.end_lineno)
+    return spans
+
+
+def collect(tree: Path) -> dict:
+    """Every mutant's status, and for each one not detected its file, line and change."""
+    with _cwd(tree):
+        from mutmut.mutation.diff_apply import get_diff_for_mutant
+        from mutmut.stats import status_by_exit_code
+        from mutmut.utils.format_utils import orig_function_and_class_names_from_key
+
+        mutants, spans = [], {}
+        for meta in sorted(Path("mutants").rglob("*.py.meta")):
+            path = meta.relative_to("mutants").as_posix()[: -len(".meta")]
+            source = Path(path).read_text()
+            spans[path] = _function_spans(source)
+            lines = source.splitlines()
+            for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+                entry = {"name": name, "file": path, "status": status_by_exit_code[code]}
+                if entry["status"] not in DETECTED:
+                    func, cls = orig_function_and_class_names_from_key(name)
+                    qual = f"{cls}.{func}" if cls else func
+                    diff = get_diff_for_mutant(name, path=path)
+                    original, mutated, rel = _changed_lines(diff)
+                    start, end = spans[path].get(qual, (1, len(lines)))
+                    line = start + rel
+                    first = original.split("\n")[0]
+                    if first and (line > end or lines[line - 1].strip() != first):
+                        hits = [i for i in range(start, end + 1) if lines[i - 1].strip() == first]
+                        line = hits[0] if hits else line
+                    entry.update(function=qual, line=line, original=original, mutated=mutated, diff=diff)
+                mutants.append(entry)
+    return {"mutants": mutants}
+
+
+def load_equivalents(path: Path = EQUIVALENTS) -> list[dict]:
+    if not path.exists():
+        return []
+    entries = tomllib.loads(path.read_text()).get("equivalent", [])
+    for e in entries:
+        missing = {"mutant", "file", "function", "original", "mutated", "reason"} - set(e)
+        if missing:
+            raise SystemExit(f"{path.name}: entry {e.get('mutant', '?')} lacks {sorted(missing)}")
+    return entries
+
+
+def _matches(entry: dict, mutant: dict) -> bool:
+    return (entry["file"], entry["function"], entry["original"].strip(), entry["mutated"].strip()) == \
+        (mutant["file"], mutant.get("function"), mutant.get("original"), mutant.get("mutated"))
+
+
+def report(mutants: list[dict], equivalents: list[dict]) -> dict:
+    counts: dict[str, int] = {}
+    for m in mutants:
+        counts[m["status"]] = counts.get(m["status"], 0) + 1
+    undetected = [m for m in mutants if m["status"] not in DETECTED]
+    used = set()
+    for m in undetected:
+        for i, e in enumerate(equivalents):
+            if _matches(e, m):
+                m["equivalent"] = e["reason"]
+                used.add(i)
+                break
+    equivalent = [m for m in undetected if "equivalent" in m]
+    total, skipped = len(mutants), counts.get("skipped", 0)
+    detected = sum(counts.get(s, 0) for s in DETECTED)
+    judged = total - skipped - len(equivalent)
+    return {
+        "total": total, "killed": counts.get("killed", 0), "survived": counts.get("survived", 0),
+        "timeouts": counts.get("timeout", 0), "suspicious": counts.get("suspicious", 0),
+        "no_tests": counts.get("no tests", 0), "skipped": skipped,
+        "other": {k: v for k, v in counts.items()
+                  if k not in ("killed", "survived", "timeout", "suspicious", "no tests", "skipped")},
+        "equivalent": len(equivalent),
+        "score_raw": round(detected / max(total - skipped, 1), 4),
+        "score": round(detected / max(judged, 1), 4),
+        "survivors": [{k: m[k] for k in ("name", "status", "file", "line", "function", "original", "mutated")}
+                      for m in undetected if "equivalent" not in m],
+        "equivalents": [{k: m[k] for k in ("name", "file", "line", "function", "original", "mutated", "equivalent")}
+                        for m in equivalent],
+        "stale_equivalents": [e["mutant"] for i, e in enumerate(equivalents) if i not in used],
+    }
+
+
+def print_report(r: dict, seconds: float) -> None:
+    print(f"mutmut: {r['total']} mutants, {r['killed']} killed, {r['survived']} survived, "
+          f"{r['timeouts']} timeouts, {r['suspicious']} suspicious, {r['no_tests']} without tests, "
+          f"{r['skipped']} skipped" + "".join(f", {v} {k}" for k, v in r["other"].items()))
+    print(f"equivalent (mutants/mutmut_equivalent.toml): {r['equivalent']}")
+    for m in r["equivalents"]:
+        print(f"  = {m['file']}:{m['line']} {m['function']}: {m['original']!r} -> {m['mutated']!r}")
+    print(f"not killed, not equivalent: {len(r['survivors'])}")
+    for m in r["survivors"]:
+        print(f"  {m['status']:<10} {m['file']}:{m['line']} {m['function']}: {m['original']!r} -> "
+              f"{m['mutated']!r}  [{m['name']}]")
+    for name in r["stale_equivalents"]:
+        print(f"  stale equivalent entry (matches no survivor): {name}")
+    print(f"score {r['score']:.1%} (raw {r['score_raw']:.1%} before equivalents; need {THRESHOLD:.0%}) "
+          f"in {seconds:.0f} s")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="mutmut 3 over impl/ in a scratch copy of the tree.")
+    parser.add_argument("names", nargs="*", metavar="MUTANT", help="run only these mutants (names or globs)")
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON here")
+    parser.add_argument("--max-children", type=int, default=2, help="parallel mutant workers (default 2)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
+    parser.add_argument("--only-mutate", nargs="+", metavar="GLOB", help="narrow [tool.mutmut] only_mutate")
+    args = parser.parse_args(argv)
+
+    equivalents = load_equivalents()
+    base = Path(tempfile.mkdtemp(prefix="pagecheck-mutmut-"))
+    started = time.perf_counter()
+    try:
+        tree = make_copy(base, args.only_mutate)
+        rc = run_mutmut(tree, args.max_children, args.names)
+        if rc:
+            print(f"mutmut run failed (exit {rc})", file=sys.stderr)
+            return 2
+        result = report(collect(tree)["mutants"], equivalents)
+    finally:
+        if args.keep:
+            print(f"scratch copy kept: {base}", file=sys.stderr)
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+    seconds = time.perf_counter() - started
+    result["seconds"] = round(seconds, 1)
+    print_report(result, seconds)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    return 0 if result["score"] >= THRESHOLD else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
