@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import MLX_ORACLES, float64
-from .tolerance import Verdict, allowed_error, max_abs_error
+from .tolerance import Verdict, allowed_error, max_abs_error, ref_scale
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,11 @@ def compare(out, args: tuple, kwargs: dict) -> Comparison:
     allowed = allowed_error(dtype, ref, max_abs_error(outs["sdpa"], ref), value_scale(args[2]))
     self_errors = {name: max_abs_error(o, ref) for name, o in outs.items()}
     ref_out = {name: np.array(o.astype(mx.float32)) for name, o in outs.items()}
+    scale = ref_scale(ref)
     return Comparison(
-        against_float64=Verdict(max_abs_error(out, ref), allowed),
-        oracle_self={name: Verdict(e, allowed) for name, e in self_errors.items()},
-        against_oracle={name: Verdict(max_abs_error(out, ref_out[name]), allowed + self_errors[name])
+        against_float64=Verdict(max_abs_error(out, ref), allowed, scale),
+        oracle_self={name: Verdict(e, allowed, scale) for name, e in self_errors.items()},
+        against_oracle={name: Verdict(max_abs_error(out, ref_out[name]), allowed + self_errors[name],
+                                      ref_scale(ref_out[name]))
                         for name in outs},
     )

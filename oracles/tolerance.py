@@ -49,10 +49,20 @@ def allowed_error(dtype, ref, sdpa_error: float, value_scale: float) -> float:
             + F32_SLACK * UNIT_ROUNDOFF[mx.float32] * value_scale)
 
 
+def ref_scale(ref) -> float:
+    """max |ref|: the denominator of the (normwise) relative error."""
+    return float(np.abs(np.asarray(ref, dtype=np.float64)).max()) if np.size(ref) else 0.0
+
+
 @dataclass(frozen=True)
 class Verdict:
     error: float
     allowed: float
+    scale: float = 0.0  # max |ref|, when known: relative error = error / scale
+
+    @property
+    def relative(self) -> float:
+        return self.error / self.scale if self.scale else (0.0 if self.error == 0 else float("inf"))
 
     @property
     def ok(self) -> bool:

@@ -12,7 +12,7 @@ from fixtures.serving import (assert_ownership, assert_same_state, assert_unused
 from impl.cache import PagedCache
 from impl.errors import PageAlreadyFree, PoolExhausted, ServingError
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("pagecheck's own page pool, cache and scheduler")]
 
 
 def _forked(n, **pool_overrides):

@@ -1,4 +1,4 @@
-"""impl.paged_attention against all four oracles under the tolerance rule.
+"""The implementation under test against all four oracles under the tolerance rule.
 
 The grid covers page sizes {1, 3, 16, 128}, GQA ratios {1, 4, 8}, D {64, 128}, L {1, 5, 8,
 9, 65}, three dtypes, causal / unmasked / windowed, random non-consecutive page ids with
@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 
-import impl
 from fixtures import paged_case
 from oracles.compare import compare
 
@@ -34,16 +33,18 @@ def _grid():
                                id=f"ps{ps}-L{L}-{hq}:{hkv}-D{D}-{dtype}-{mask}-w{window}")
 
 
+@pytest.mark.clause("oracle")
 @pytest.mark.parametrize("ps,L,hq,hkv,D,dtype,mask,window", list(_grid()))
-def test_matches_oracles(ps, L, hq, hkv, D, dtype, mask, window, error_log):
+def test_matches_oracles(ps, L, hq, hkv, D, dtype, mask, window, attention, error_log):
     # contexts: one just past L, one empty slot, one crossing several pages and a chunk
     contexts = [L + 3, 0, L + 2 * ps + 5 if ps < 128 else L + 300]
     case = paged_case(context_lens=contexts, query_len=L, q_heads=hq, kv_heads=hkv, head_dim=D,
                       page_size=ps, dtype=dtype, mask=mask, window=window, seed=ps * 100 + L)
-    out = case.run(impl.paged_attention)
-    assert out.dtype == case.dtype and out.shape == case.query.shape
+    out = case.run(attention)
+    assert out.dtype == case.dtype and out.shape == case.query.shape, (
+        f"output {out.dtype} {out.shape}, expected {case.dtype} {case.query.shape}")
     result = compare(out, case.args(), case.kwargs())
-    error_log.record(case.dtype, "impl", result.against_float64)
-    for name, verdict in result.oracle_self.items():
+    error_log.record(case.dtype, "float64", result.against_float64)
+    for name, verdict in result.against_oracle.items():
         error_log.record(case.dtype, name, verdict)
     assert not result.failures(), result.failures()

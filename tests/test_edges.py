@@ -21,7 +21,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import impl
 import pagecheck_kernels
 from fixtures import paged_case
 from oracles.compare import compare
@@ -98,16 +97,17 @@ def _case(name: str, i: int, placement: str):
     return case
 
 
+@pytest.mark.clause("oracle", "addressing")
 @pytest.mark.parametrize("placement", ["random", "tail-last-in-pool", "tail-first-in-pool"])
 @pytest.mark.parametrize("i,name", list(enumerate(EDGES)), ids=list(EDGES))
-def test_edge_matches_oracles(i, name, placement, error_log):
+def test_edge_matches_oracles(i, name, placement, attention, error_log):
     case = _case(name, i, placement)
     if placement == "tail-last-in-pool":
         assert _tail_page(case) == case.key_pages.shape[0] - 1
-    out = case.run(impl.paged_attention)
+    out = case.run(attention)
     assert out.dtype == case.dtype and out.shape == case.query.shape
     result = compare(out, case.args(), case.kwargs())
-    error_log.record(case.dtype, "impl", result.against_float64)
+    error_log.record(case.dtype, "float64", result.against_float64)
     assert not result.failures(), result.failures()
 
 

@@ -42,7 +42,7 @@ import pagecheck_kernels
 from fixtures import DTYPES, bits
 from oracles.compare import compare
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in validation's clause ids and its unvalidated compiled entry point")]
 
 EXAMPLES = 150
 FUZZ_SECONDS = float(os.environ.get("PAGECHECK_FUZZ_SECONDS", "0") or 0)

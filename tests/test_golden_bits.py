@@ -19,7 +19,7 @@ import impl
 import pagecheck_kernels
 from fixtures import bits, paged_case
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in kernel's pinned output bits")]
 
 CASES = {
     "decode-f32": dict(context_lens=[300, 0, 17], query_len=1, q_heads=8, kv_heads=2, head_dim=64, page_size=16),

@@ -11,12 +11,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import impl
 import oracles
+from conformance.clauses import CLAUSES
 from fixtures import DTYPES, bits, hand_case, hand_names, to_numpy
 from fixtures.hand import hand_fixtures, hand_info, hand_spec
 from oracles.compare import value_scale
-from oracles.tolerance import Verdict, allowed_error, max_abs_error
+from oracles.tolerance import Verdict, allowed_error, max_abs_error, ref_scale
 
 pytestmark = pytest.mark.correctness
 
@@ -34,7 +34,8 @@ def _params(*, skip_slow=False):
         info = hand_info(name)
         if info.slow and skip_slow:
             continue
-        yield pytest.param(name, marks=[pytest.mark.slow] if info.slow else [], id=name)
+        marks = [pytest.mark.clause(info.clause)] if info.clause in CLAUSES else []
+        yield pytest.param(name, marks=marks + ([pytest.mark.slow] if info.slow else []), id=name)
 
 
 def _read_value_scale(case) -> float:
@@ -45,10 +46,10 @@ def _read_value_scale(case) -> float:
 
 
 @pytest.mark.parametrize("name", list(_params()))
-def test_hand_fixture(name, error_log):
-    """Each hand fixture: the kernel against the answer derived by hand."""
+def test_hand_fixture(name, attention, error_log):
+    """Each hand fixture: the implementation against the answer derived by hand."""
     info, case = hand_info(name), hand_case(name)
-    out = case.run(impl.paged_attention)
+    out = case.run(attention)
     assert out.dtype == DTYPES[hand_spec(name)["dtype"]] == case.dtype, f"{name}: output dtype {out.dtype}"
     assert out.shape == case.query.shape
     assert not np.isnan(to_numpy(out)).any(), f"{name} ({info.catches}): NaN in the output"
@@ -56,8 +57,8 @@ def test_hand_fixture(name, error_log):
     # and its derivation is exact, so bit equality below is the stronger check anyway.
     sdpa_error = 0.0 if info.slow else max_abs_error(case.run(oracles.MLX_ORACLES["sdpa"]), case.expected)
     allowed = allowed_error(case.dtype, case.expected, sdpa_error, _read_value_scale(case))
-    verdict = Verdict(max_abs_error(out, case.expected), allowed)
-    error_log.record(case.dtype, "impl", verdict)
+    verdict = Verdict(max_abs_error(out, case.expected), allowed, ref_scale(case.expected))
+    error_log.record(case.dtype, "hand", verdict)
     assert verdict.ok, f"{name} ({info.catches}): {verdict}"
     if info.exact:
         want = mx.array(case.expected.astype(np.float32)).astype(case.dtype)
@@ -86,3 +87,4 @@ def test_catalog_is_complete():
         assert info.catches.strip(), f"{name}: empty 'catches'"
         assert info.derivation and all(line.strip() for line in info.derivation), f"{name}: empty 'derivation'"
         assert hand_spec(name)["name"] == info.fixture, f"{name}: 'name' differs from the file name"
+        assert info.clause in CLAUSES, f"{name}: clause {info.clause!r} is not in conformance/clauses.py"

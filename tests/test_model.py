@@ -20,7 +20,7 @@ from impl.pool import PagePool
 
 qwen3 = pytest.importorskip("mlx_lm.models.qwen3", reason="needs the optional extra `model` (mlx-lm)")
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("pagecheck's serving core inside mlx-lm")]
 
 LENGTHS = (5, 17, 33, 64)
 NEW_TOKENS = 12

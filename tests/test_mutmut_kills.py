@@ -34,7 +34,7 @@ from tests.test_scheduler import scheduler
 from tests.test_scheduler import state as scheduler_state
 from tests.test_serving_invariants import MISUSES, _one, _world
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("pagecheck's own page pool, cache and scheduler")]
 
 
 # -- prepared slots ---------------------------------------------------------------------

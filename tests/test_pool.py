@@ -11,7 +11,7 @@ from impl.allocator import PageAllocator, PoolStats
 from impl.errors import PageAlreadyFree, PoolExhausted, ServingError
 from impl.pool import pool_copies
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("pagecheck's own page pool, cache and scheduler")]
 
 P = 12
 

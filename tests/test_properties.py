@@ -23,10 +23,11 @@ from hypothesis import strategies as st
 import impl
 import impl.attention
 import oracles
+from conformance.implementation import assert_same_output
 from fixtures import bits, paged_case, to_numpy
 from fixtures.strategies import REJECTIONS, applicable, corruptions, layouts
 from oracles.compare import value_scale
-from oracles.tolerance import Verdict, allowed_error, max_abs_error
+from oracles.tolerance import Verdict, allowed_error, max_abs_error, ref_scale
 
 pytestmark = pytest.mark.correctness
 
@@ -38,14 +39,16 @@ def _verdict(case, out) -> Verdict:
     ref = case.run(oracles.float64)
     sdpa = case.run(oracles.MLX_ORACLES["sdpa"])
     allowed = allowed_error(case.dtype, ref, max_abs_error(sdpa, ref), value_scale(case.value_pages))
-    return Verdict(max_abs_error(out, ref), allowed)
+    return Verdict(max_abs_error(out, ref), allowed, ref_scale(ref))
 
 
+@pytest.mark.clause("oracle")
 @examples
 @given(layout=layouts())
-def test_kernel_matches_float64_oracle(layout, error_log):
+def test_kernel_matches_float64_oracle(layout, attention, error_log):
     case = paged_case(**layout)
-    out = case.run(impl.paged_attention)
+    assume(attention.supports(case))
+    out = case.run(attention)
     assert out.dtype == case.dtype and out.shape == case.query.shape
     got = to_numpy(out)
     assert np.isfinite(got).all(), "NaN or inf in the output: an unused slot or free page was read"
@@ -53,26 +56,29 @@ def test_kernel_matches_float64_oracle(layout, error_log):
     assert not got[empty].any(), "an empty row must be exact zeros"
     verdict = _verdict(case, out)
     note(str(verdict))
-    error_log.record(case.dtype, "impl", verdict)
+    error_log.record(case.dtype, "float64", verdict)
     assert verdict.ok, verdict
 
 
+@pytest.mark.clause("inv6", "inv8")
 @examples
 @given(layout=layouts(), data=st.data())
-def test_batch_and_schedule_invariance(layout, data):
+def test_batch_and_schedule_invariance(layout, data, attention):
     """6: a request alone gives the bits it gets in the batch. 8: a prefill's query row l
     equals the one-token decode at its position, bit for bit."""
+    attention.require("bitwise_batch")
     case = paged_case(**layout)
-    out = case.run(impl.paged_attention)
+    assume(attention.supports(case))
+    out = case.run(attention)
     b = data.draw(st.integers(0, len(layout["context_lens"]) - 1), label="request alone")
     alone = case.with_(query=case.query[b:b + 1], block_table=case.block_table[b:b + 1],
                        context_lens=case.context_lens[b:b + 1])
-    assert bits(alone.run(impl.paged_attention)) == bits(out[b:b + 1])
+    assert bits(alone.run(attention)) == bits(out[b:b + 1])
     L = layout["query_len"]
     if L > 1:
         row = data.draw(st.sampled_from(sorted({0, L - 1, L // 2})), label="prefill row")
         decode = case.decode_row(row)
-        assert bits(decode.run(impl.paged_attention)) == bits(out[:, :, row:row + 1])
+        assert bits(decode.run(attention)) == bits(out[:, :, row:row + 1])
 
 
 class _Spy:
@@ -85,30 +91,38 @@ class _Spy:
         return lambda *a, **k: self.calls.append(name)
 
 
-@pytest.mark.parametrize("kind", sorted(REJECTIONS))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.clause("inv10", f"reject.{REJECTIONS[k]}"))
+                                  for k in sorted(REJECTIONS)])
 @settings(max_examples=settings.default.max_examples)
 @given(layout=layouts(), data=st.data())
-def test_rejected_metadata_raises_before_computing(kind, layout, data):
-    """Each kind of rejected metadata raises its clause; the compiled kernel is never
-    called and the inputs keep their bits."""
+def test_rejected_metadata_raises_before_computing(kind, layout, data, attention):
+    """Each kind of rejected metadata raises (the built-in: its clause, and the compiled
+    kernel is never called); the inputs keep their bits."""
+    attention.require("validates_input")
     case = paged_case(**layout)
-    assume(kind in applicable(case))
+    assume(kind in applicable(case) and attention.supports(case))
     bad = data.draw(corruptions(case, kind), label="corruption")
     broken = bad.apply(case)
     before = [bits(a) for a in (case.key_pages, case.value_pages, case.query)]
-    spy = _Spy()
-    with mock.patch.object(impl.attention, "_kernels", spy):
-        with pytest.raises(impl.ContractViolation) as info:
-            broken.run(impl.paged_attention)
-    assert info.value.clause == bad.clause, info.value
-    assert spy.calls == [], f"the kernel was called ({spy.calls}) on rejected input"
+    if attention.builtin:
+        spy = _Spy()
+        with mock.patch.object(impl.attention, "_kernels", spy):
+            with pytest.raises(impl.ContractViolation) as info:
+                broken.run(attention.fn)
+        assert info.value.clause == bad.clause, info.value
+        assert spy.calls == [], f"the kernel was called ({spy.calls}) on rejected input"
+    else:
+        with pytest.raises(attention.caps.error_types):
+            broken.run(attention.fn)
     assert [bits(a) for a in (broken.key_pages, broken.value_pages, broken.query)] == before
 
 
+@pytest.mark.clause("inv9")
 @examples
 @given(layout=layouts(), data=st.data())
-def test_unread_table_entries_are_neither_checked_nor_read(layout, data):
+def test_unread_table_entries_are_neither_checked_nor_read(layout, data, attention):
     case = paged_case(**layout)
+    assume(attention.supports(case))
     table, lens = np.array(case.block_table), np.array(case.context_lens)
     need = -(-lens // case.page_size)
     unread = np.arange(table.shape[1])[None, :] >= need[:, None]
@@ -118,4 +132,5 @@ def test_unread_table_entries_are_neither_checked_nor_read(layout, data):
                                  max_size=int(unread.sum())), label="unread entries")
     table[unread] = garbage
     scrambled = case.with_(block_table=mx.array(table))
-    assert bits(scrambled.run(impl.paged_attention)) == bits(case.run(impl.paged_attention))
+    assert_same_output(attention, scrambled.run(attention), case.run(attention), case,
+                       "garbage in unread table entries")

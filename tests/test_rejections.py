@@ -1,5 +1,10 @@
-"""Every rejection of REFERENCE.md section 1: a specific ContractViolation naming the
-offender, raised before anything is computed; pool and metadata keep every bit."""
+"""Every rejection of REFERENCE.md section 1: a specific error naming the offender, raised
+before anything is computed; pool and metadata keep every bit.
+
+The built-in implementation must raise `ContractViolation` with the clause id and the
+message below; another implementation (`--impl`) one of its declared `error_types`
+(default ValueError or TypeError) with a non-empty message. The checks of prevalidated
+metadata and of the unvalidated compiled entry point are the built-in's own."""
 
 import mlx.core as mx
 import numpy as np
@@ -7,6 +12,7 @@ import pytest
 
 import impl
 import pagecheck_kernels
+from conformance.implementation import assert_same_output
 from fixtures import bits, paged_case
 
 pytestmark = pytest.mark.correctness
@@ -69,30 +75,47 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BAD))
-def test_invariant_10_rejection_leaves_inputs_and_outputs_untouched(name):
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.clause("inv10", f"reject.{BAD[n][1]}"))
+                                  for n in sorted(BAD)])
+def test_invariant_10_rejection_leaves_inputs_and_outputs_untouched(name, attention):
     """Operator level of invariant 10 (pool and cache misuse: test_serving_invariants)."""
+    attention.require("validates_input")
     mutate, clause, message = BAD[name]
     base = _base()
-    earlier = base.run(impl.paged_attention)
+    earlier = base.run(attention)
     case = mutate(base)
     state = (base.query, base.key_pages, base.value_pages, base.block_table, base.context_lens, earlier)
     before = [bits(a) for a in state]
-    with pytest.raises(impl.ContractViolation, match=message) as info:
-        case.run(impl.paged_attention)
-    assert info.value.clause == clause
-    assert isinstance(info.value, ValueError)
-    assert [bits(a) for a in state] == before
+    if attention.builtin:
+        with pytest.raises(impl.ContractViolation, match=message) as info:
+            case.run(attention.fn)
+        assert info.value.clause == clause
+        assert isinstance(info.value, ValueError)
+    else:
+        try:
+            out = case.run(attention.fn)
+        except attention.caps.error_types as e:
+            assert str(e).strip(), f"{type(e).__name__} raised with an empty message"
+        except Exception as e:
+            pytest.fail(f"{name}: raised {type(e).__name__} ({e}), not one of the declared error types "
+                        f"{[t.__name__ for t in attention.caps.error_types]}")
+        else:
+            pytest.fail(f"{name}: accepted (returned {getattr(out, 'shape', out)}); the contract rejects it "
+                        f"(expected like: {message})")
+    assert [bits(a) for a in state] == before, "a rejected call changed its inputs or an earlier output"
 
 
-def test_unread_table_entries_are_ignored():
+@pytest.mark.clause("inv9")
+def test_unread_table_entries_are_ignored(attention):
     """Entries past ceil(ctx / page_size) may hold anything (convention: -1)."""
     base = _base()
     t = np.array(base.block_table)
     t[1, 1:] = [12345, -7]
-    assert bits(base.with_(block_table=mx.array(t)).run(impl.paged_attention)) == bits(base.run(impl.paged_attention))
+    assert_same_output(attention, base.with_(block_table=mx.array(t)).run(attention), base.run(attention), base,
+                       "garbage in unread table entries")
 
 
+@pytest.mark.builtin_only("prevalidated metadata and the unvalidated compiled entry point")
 def test_prevalidated_metadata_is_reused_without_value_checks():
     base = _base()
     meta = impl.PagedMetadata.build(np.array(base.block_table), np.array(base.context_lens), page_size=4,
@@ -103,6 +126,7 @@ def test_prevalidated_metadata_is_reused_without_value_checks():
         meta.block_table_host[0, 0] = 5  # the validated host copy is frozen
 
 
+@pytest.mark.builtin_only("prevalidated metadata and the unvalidated compiled entry point")
 @pytest.mark.parametrize("change,message", [
     (lambda c: c.with_(query=c.query[:, :, :2]), r"validated for \(B, L, P, page_size\) = \(2, 3, 7, 4\)"),
     (lambda c: c.with_(key_pages=c.key_pages[:5], value_pages=c.value_pages[:5]), r"this call has \(2, 3, 5, 4\)"),
@@ -117,6 +141,7 @@ def test_stale_metadata_is_rejected(change, message):
     assert info.value.clause == "metadata_stale"
 
 
+@pytest.mark.builtin_only("prevalidated metadata and the unvalidated compiled entry point")
 def test_metadata_build_rejects_bad_values():
     base = _base()
     with pytest.raises(impl.ContractViolation, match=r"block_table\[0, 1\] = 70 is outside the pool \[0, 7\)"):
@@ -133,6 +158,7 @@ UNCHECKED = {
 }
 
 
+@pytest.mark.builtin_only("prevalidated metadata and the unvalidated compiled entry point")
 @pytest.mark.parametrize("name", sorted(UNCHECKED))
 def test_unchecked_kernel_never_reads_outside_the_pool(name):
     """The compiled entry point, called without the Python checks, turns a request it
@@ -147,6 +173,7 @@ def test_unchecked_kernel_never_reads_outside_the_pool(name):
     assert bits(mx.array(out[1:])) == bits(base.run(impl.paged_attention)[1:])
 
 
+@pytest.mark.builtin_only("prevalidated metadata and the unvalidated compiled entry point")
 @pytest.mark.parametrize("dtype", [np.int64, np.uint32, np.float32])
 def test_metadata_build_rejects_numpy_metadata_that_is_not_int32(dtype):
     base = _base()

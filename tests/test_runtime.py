@@ -11,7 +11,7 @@ import impl
 import pagecheck_kernels
 from fixtures import paged_case
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in kernel's worker threads and GPU path")]
 
 
 def test_set_num_threads_round_trip():

@@ -18,7 +18,7 @@ from impl.errors import ServingError
 from impl.scheduler import Request, Scheduler, State
 from impl.stores import PagedStore
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("pagecheck's own page pool, cache and scheduler")]
 
 
 

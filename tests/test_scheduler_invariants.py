@@ -20,7 +20,7 @@ from impl.errors import ServingError
 from impl.scheduler import Request, Scheduler, Step
 from impl.stores import PagedStore
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("pagecheck's own page pool, cache and scheduler")]
 
 TIGHT = 64          # tokens of KV: small enough that decodes preempt
 CALM = 1024

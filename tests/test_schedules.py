@@ -9,7 +9,7 @@ import pagecheck_kernels
 from fixtures import bits, paged_case, to_numpy
 from oracles.compare import compare
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in kernel's decode/prefill schedules and chunk edges")]
 
 CHUNK = pagecheck_kernels.CHUNK
 THRESHOLD = pagecheck_kernels.DECODE_MAX_L

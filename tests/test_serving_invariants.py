@@ -16,7 +16,7 @@ from impl.errors import PageAlreadyFree, PoolExhausted, ServingError
 from impl.pool import pool_copies
 from oracles.compare import compare
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("pagecheck's own page pool, cache and scheduler")]
 
 
 @pytest.mark.parametrize("L,dtype", [(1, mx.float32), (3, mx.float32), (9, mx.float32), (3, mx.bfloat16)])

@@ -59,7 +59,7 @@ from impl.stores import PagedStore
 from oracles.compare import value_scale
 from oracles.tolerance import Verdict, allowed_error, max_abs_error
 
-pytestmark = pytest.mark.correctness
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("pagecheck's own page pool, cache and scheduler")]
 
 Q_HEADS = 4  # the pools of fixtures.serving.make_pool have 2 KV heads, D = 8, 2 layers
 ATTENTION = (("causal", None), (None, None), ("causal", 2))

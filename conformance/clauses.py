@@ -1,0 +1,58 @@
+"""The contract clauses (REFERENCE.md sections 1 and 2) that operator checks point at.
+
+A check names its clauses with `@pytest.mark.clause("gqa", ...)` (or per parameter); a
+failing check's report carries the clause text, so a kernel author reads which rule of
+the contract the output broke, not just that numbers differ.
+"""
+
+from __future__ import annotations
+
+CLAUSES = {
+    # section 1: what the output must be
+    "oracle": "the output equals attention as section 1 defines it (float64 oracle, tolerance rule)",
+    "addressing": "logical position j of request b lives at pages[block_table[b, j // page_size], g, j % page_size]",
+    "gqa": "query head h reads KV head h // (Hq // Hkv): contiguous groups, not round-robin",
+    "causal": "query row l sits at p = context_lens[b] - L + l and sees exactly the keys j <= p",
+    "window": "with window w a causal query sees exactly the keys p - w < j <= p",
+    "unmasked": "mask=None: every query row sees all context_lens[b] keys",
+    "scale": "scores are (q . k) * scale, scale defaulting to D ** -0.5",
+    "empty_row": "a row with context_lens[b] == 0 is an empty slot: zeros, and it never touches the pool",
+    "dtype": "the output has the query's dtype and shape; accumulation in float32, one final cast",
+    "stability": "softmax stays finite and accurate for huge or very negative logits",
+    "shared_pages": "two rows may name the same physical page; the operator only reads",
+    # section 2: invariants
+    "inv1": "invariant 1: context_lens selects exactly the written positions",
+    "inv2": "invariant 2: block_table reconstructs the dense logical order",
+    "inv3": "invariant 3: shared pages are only read",
+    "inv6": "invariant 6: a request's output bits do not depend on the other rows or the batch size",
+    "inv7": "invariant 7: output bits do not depend on the number of worker threads",
+    "inv8": "invariant 8: a prefill's row l equals the one-token decode at its position, bit for bit",
+    "inv9": "invariant 9: unused slots, unread table entries and free pages are never read",
+    "inv10": "invariant 10: bad input raises a specific error before anything is computed or written",
+}
+
+# Rejection clauses (impl/errors.py ids) -> the contract's words.
+REJECTIONS = {
+    "type": "arrays must be mlx.core.array",
+    "rank": "wrong rank is rejected",
+    "shape": "shapes that disagree are rejected",
+    "dtype": "an unsupported query dtype or pools of another dtype are rejected",
+    "metadata_dtype": "non-int32 block_table / context_lens are rejected",
+    "heads": "Hq % Hkv != 0 is rejected",
+    "page_size": "page_size < 1 or disagreeing with the pool is rejected",
+    "scale": "a non-finite or non-numeric scale is rejected",
+    "mask": "a mask other than 'causal' or None is rejected",
+    "window": "a window < 1, or a window without causal masking, is rejected",
+    "context_negative": "a negative context length is rejected",
+    "context_short": "0 < context_lens[b] < L is rejected",
+    "table_short": "a row needing more than max_pages pages is rejected",
+    "page_id": "a page id outside [0, P) among the pages a row reads is rejected",
+}
+CLAUSES.update({f"reject.{k}": f"invariant 10: {v}" for k, v in REJECTIONS.items()})
+
+
+def describe(clause: str) -> str:
+    try:
+        return f"[{clause}] {CLAUSES[clause]}"
+    except KeyError:
+        raise KeyError(f"unknown contract clause {clause!r}; add it to conformance/clauses.py") from None

@@ -1,0 +1,156 @@
+"""pytest plugin (loaded by conftest.py): the implementation under test and the record
+the conformance report is written from.
+
+| piece                       | what it does                                                  |
+|-----------------------------|---------------------------------------------------------------|
+| `--impl MODULE:ATTR`        | the callable checked (default: the built-in kernel)           |
+| `--report-dir DIR`          | also write DIR/conformance.md, .html and .json                |
+| fixture `attention`         | the `Implementation` under test (session scope)               |
+| fixture `error_log`         | worst error against each oracle per dtype, for the report     |
+| marker `builtin_only(why)`  | a check of pagecheck's own pool / scheduler / kernel internals: skipped, with `why`, for another implementation |
+| marker `clause(*ids)`       | the contract clauses a check checks (conformance/clauses.py); a failure shows their text |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from . import report as _report
+from .clauses import describe
+from .implementation import UsageError, load
+
+_STATE = {"impl": None}
+
+
+@dataclass
+class ErrorLog:
+    """Worst |error|, relative error and share of the allowance per (dtype, oracle)."""
+
+    worst: dict = field(default_factory=dict)
+
+    def record(self, dtype, against: str, verdict) -> None:
+        key = (str(dtype).removeprefix("mlx.core."), against)
+        err, rel, share = self.worst.get(key, (0.0, 0.0, 0.0))
+        mine = verdict.error / verdict.allowed if verdict.allowed else float("inf")
+        self.worst[key] = (max(err, verdict.error), max(rel, verdict.relative), max(share, mine))
+
+
+@dataclass
+class Outcome:
+    nodeid: str
+    outcome: str  # passed | failed | skipped
+    clauses: tuple
+    message: str = ""
+    seconds: float = 0.0
+
+
+class Recorder:
+    def __init__(self):
+        self.outcomes: dict[str, Outcome] = {}
+        self.errors = ErrorLog()
+
+    def add(self, item, rep) -> None:
+        if rep.when != "call" and rep.outcome == "passed":
+            return
+        previous = self.outcomes.get(rep.nodeid)
+        if previous is not None and previous.outcome != "passed":
+            return  # keep the first failure or skip of a test (setup, call, teardown)
+        outcome = "failed" if rep.outcome == "failed" else rep.outcome
+        self.outcomes[rep.nodeid] = Outcome(rep.nodeid, outcome, _clauses(item), _message(rep),
+                                            getattr(rep, "duration", 0.0))
+
+
+RECORDER = Recorder()
+
+
+def _clauses(item) -> tuple:
+    return tuple(c for mark in item.iter_markers("clause") for c in mark.args)
+
+
+def _message(rep) -> str:
+    if rep.outcome == "skipped":
+        text = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        return text.removeprefix("Skipped: ")
+    if rep.outcome == "failed":
+        crash = getattr(rep.longrepr, "reprcrash", None)
+        return crash.message if crash is not None else str(rep.longrepr).splitlines()[-1]
+    return ""
+
+
+def current():
+    return _STATE["impl"]
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("pagecheck")
+    group.addoption("--impl", default=None, metavar="MODULE:ATTR",
+                    help="check this paged-attention callable (default: the built-in kernel)")
+    group.addoption("--report-dir", default=None, metavar="DIR",
+                    help="write the conformance report to DIR/conformance.md and .html")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "builtin_only(why): checks pagecheck's own internals; "
+                                       "skipped for another implementation")
+    config.addinivalue_line("markers", "clause(*ids): contract clauses the check checks")
+    try:
+        _STATE["impl"] = load(config.getoption("impl"))
+    except UsageError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def pytest_report_header(config):
+    impl = current()
+    return [f"pagecheck implementation under test: {impl.name}",
+            f"declared capabilities: {impl.caps.summary()}"]
+
+
+@pytest.fixture(scope="session")
+def attention():
+    """The implementation under test (conformance.implementation.Implementation)."""
+    return current()
+
+
+@pytest.fixture(scope="session")
+def error_log() -> ErrorLog:
+    return RECORDER.errors
+
+
+def pytest_collection_modifyitems(config, items):
+    impl = current()
+    for item in items:
+        for clause in _clauses(item):
+            describe(clause)  # an unknown clause id is a collection error, not a silent label
+        mark = item.get_closest_marker("builtin_only")
+        if mark is not None and not impl.builtin:
+            why = mark.args[0] if mark.args else "pagecheck's own internals"
+            item.add_marker(pytest.mark.skip(reason=f"built-in only: checks {why}"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    result = yield
+    rep = result.get_result()
+    if rep.failed:
+        clauses = _clauses(item)
+        if clauses:
+            rep.sections.append(("contract clause", "\n".join(describe(c) for c in clauses)))
+    RECORDER.add(item, rep)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not RECORDER.outcomes:
+        return
+    doc = _report.build(current(), RECORDER, exitstatus)
+    tr = terminalreporter
+    tr.section("pagecheck verification summary")
+    for line in _report.terminal_lines(doc):
+        tr.line(line)
+    out = config.getoption("report_dir")
+    if out:
+        paths = _report.write(doc, Path(out))
+        tr.line("report: " + ", ".join(str(p) for p in paths))
+

@@ -1,0 +1,208 @@
+"""The conformance report: one document, rendered to the terminal, markdown and HTML.
+
+| section           | content                                                          |
+|-------------------|------------------------------------------------------------------|
+| header            | implementation, declared capabilities, versions, verdict, counts |
+| areas             | passed / failed / skipped per check area                          |
+| failures          | each failed check: the contract clause it points at and the message |
+| skipped           | each skip reason with its count (declarations, built-in-only checks) |
+| errors            | worst abs / relative error and share of the allowance, per dtype and oracle |
+| mutants           | built-in only: the seeded-mutant kill table (reports/mutants.json) and the mutmut score (reports/mutmut.json), when those runs have been made |
+| checks            | every check with its result and clauses                          |
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import html
+import json
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .clauses import describe
+
+ROOT = Path(__file__).resolve().parent.parent
+MUTANTS_JSON = ROOT / "reports" / "mutants.json"
+MUTMUT_JSON = ROOT / "reports" / "mutmut.json"
+
+AREAS = {
+    "test_oracles": "oracles agree on the hand example and each other",
+    "test_differential": "implementation vs the four oracles (tolerance rule)",
+    "test_hand_fixtures": "hand fixtures: answers derived by hand",
+    "test_invariants": "operator invariants 1, 2, 3, 6, 7, 8, 9",
+    "test_rejections": "bad input: specific error, nothing written",
+    "test_properties": "hypothesis: random layouts vs float64, rejections",
+    "test_edges": "edges: last page, full rows, tails, tiles past a page",
+    "test_schedules": "decode/prefill schedules, chunk and page edges",
+    "test_golden_bits": "canonical arithmetic: pinned output bits",
+    "test_fuzz_boundary": "fuzzed metadata: specific error or correct result",
+    "test_runtime": "worker threads, GPU path",
+    "test_build_paths": "build variants give the same bits",
+    "test_pool": "page pool: allocation, reference counts, in-place writes",
+    "test_cache": "paged cache: append, fork, copy-on-write, release",
+    "test_serving_invariants": "serving invariants 1, 3, 4, 5, 10",
+    "test_scheduler": "scheduler: admission, preemption, variants agree",
+    "test_scheduler_invariants": "invariants 1-10 through the scheduler",
+    "test_state_machine": "hypothesis: pool/cache/scheduler state machines",
+    "test_model": "mlx-lm Qwen3: paged tokens == dense tokens",
+    "test_plugin": "the --impl plug-in path: oracle passes, broken kernels fail",
+}
+
+
+@dataclass
+class Section:
+    title: str
+    text: list = field(default_factory=list)  # paragraphs
+    table: tuple | None = None  # (header, rows)
+
+
+@dataclass
+class Doc:
+    title: str
+    verdict: str
+    sections: list
+    data: dict = field(default_factory=dict)  # the machine-readable record (conformance.json)
+
+
+def _versions() -> str:
+    import mlx.core as mx
+    import numpy as np
+
+    return (f"Python {platform.python_version()}, mlx {mx.__version__}, numpy {np.__version__}, "
+            f"{platform.system()} {platform.machine()}")
+
+
+def _area(nodeid: str) -> str:
+    return Path(nodeid.split("::")[0]).stem
+
+
+def build(impl, recorder, exitstatus) -> Doc:
+    outcomes = list(recorder.outcomes.values())
+    total = collections.Counter(o.outcome for o in outcomes)
+    failed = total["failed"] > 0 or exitstatus not in (0, 5)
+    verdict = "FAIL" if failed else "PASS"
+    head = Section("Implementation", [
+        f"**{impl.name}**",
+        f"verdict: **{verdict}** - {total['passed']} passed, {total['failed']} failed, "
+        f"{total['skipped']} skipped",
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {_versions()}",
+    ], (["capability", "declared"], [[k, str(v)] for k, v in impl.caps.summary().items()]))
+    by_area = collections.defaultdict(collections.Counter)
+    for o in outcomes:
+        by_area[_area(o.nodeid)][o.outcome] += 1
+    areas = Section("Checks by area", table=(["area", "what", "passed", "failed", "skipped"], [
+        [a, AREAS.get(a, ""), str(c["passed"]), str(c["failed"]), str(c["skipped"])]
+        for a, c in sorted(by_area.items(), key=lambda kv: (kv[0] not in AREAS, list(AREAS).index(kv[0])
+                                                              if kv[0] in AREAS else 0, kv[0]))]))
+    fails = [o for o in outcomes if o.outcome == "failed"]
+    failures = Section("Failures", ["none"] if not fails else [], None if not fails else (
+        ["check", "contract clause", "message"],
+        [[o.nodeid, "; ".join(describe(c) for c in o.clauses) or "-", _one_line(o.message)] for o in fails]))
+    reasons = collections.Counter(o.message for o in outcomes if o.outcome == "skipped")
+    skipped = Section("Skipped (counted, never passed)", ["none"] if not reasons else [],
+                      None if not reasons else (["reason", "checks"],
+                                                [[_one_line(r), str(n)] for r, n in reasons.most_common()]))
+    errors = Section("Error against each oracle (worst over the checks, per dtype)", [
+        "relative error = max |out - ref| / max |ref|; share = error / the tolerance rule's allowance "
+        "(oracles/tolerance.py); `hand` = answers derived by hand."],
+        (["dtype", "oracle", "max abs error", "max rel error", "worst share of allowance"],
+         [[d, a, f"{e:.3e}", f"{r:.3e}", f"{s:.0%}"] for (d, a), (e, r, s) in sorted(recorder.errors.worst.items())]))
+    sections = [head, areas, failures, skipped, errors]
+    if impl.builtin:
+        sections += _mutant_sections()
+    sections.append(Section("Every check", table=(["check", "result", "clauses", "detail"], [
+        [o.nodeid, o.outcome, ", ".join(o.clauses) or "-", _one_line(o.message)[:160]] for o in outcomes])))
+    data = {"implementation": impl.name, "builtin": impl.builtin, "capabilities": impl.caps.summary(),
+            "verdict": verdict, "counts": dict(total),
+            "checks": [{"id": o.nodeid, "outcome": o.outcome, "clauses": list(o.clauses), "message": o.message}
+                       for o in outcomes],
+            "errors": [{"dtype": d, "oracle": a, "max_abs": e, "max_rel": r, "share_of_allowance": s}
+                       for (d, a), (e, r, s) in sorted(recorder.errors.worst.items())]}
+    return Doc("pagecheck conformance report", verdict, sections, data)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _mutant_sections() -> list:
+    out = []
+    if MUTANTS_JSON.exists():
+        data = json.loads(MUTANTS_JSON.read_text())
+        out.append(Section("Seeded mutants (python -m mutants)", [
+            f"{data['killed']}/{data['total']} killed, {data['survived']} survived ({MUTANTS_JSON.name}, "
+            f"{datetime.datetime.fromtimestamp(MUTANTS_JSON.stat().st_mtime):%Y-%m-%d})"],
+            (["mutant", "breaks", "status", "killed by", "s"],
+             [[m["id"], _one_line(m.get("breaks", "")), m["status"], m.get("killed_by") or "-", str(m["seconds"])]
+              for m in data["mutants"]])))
+    else:
+        out.append(Section("Seeded mutants", ["not run yet: `./pagecheck mutants --json reports/mutants.json`"]))
+    if MUTMUT_JSON.exists():
+        r = json.loads(MUTMUT_JSON.read_text())
+        out.append(Section("mutmut (python -m mutants.mutmut_run)", [
+            f"{r['total']} mutants: {r['killed']} killed, {r['timeouts']} timeouts, {r['equivalent']} recorded "
+            f"equivalent, {len(r['survivors'])} survivors; score {r['score']:.1%}"]))
+    return out
+
+
+def terminal_lines(doc: Doc) -> list:
+    lines = [doc.sections[0].text[0].strip("*")]
+    area = doc.sections[1].table
+    lines.append(f"{'area':<26} {'':<52} {'passed':>6} {'failed':>6} {'skipped':>7}")
+    for a, what, p, f, s in area[1]:
+        lines.append(f"{a:<26} {what[:52]:<52} {p:>6} {f:>6} {s:>7}")
+    for section in doc.sections[2:5]:
+        if section.table and section.table[1]:
+            lines.append("")
+            lines.append(section.title + ":")
+            lines.append("  " + " | ".join(section.table[0]))
+            for row in section.table[1][:20]:
+                lines.append("  " + " | ".join(cell.replace("\\|", "|")[:120] for cell in row))
+    lines += ["", f"verdict: {doc.verdict}"]
+    return lines
+
+
+def markdown(doc: Doc) -> str:
+    out = [f"# {doc.title}", ""]
+    for s in doc.sections:
+        out += [f"## {s.title}", ""]
+        out += [p + "\n" for p in s.text]
+        if s.table:
+            header, rows = s.table
+            out.append("| " + " | ".join(header) + " |")
+            out.append("|" + "---|" * len(header))
+            out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+            out.append("")
+    return "\n".join(out)
+
+
+def to_html(doc: Doc) -> str:
+    def cell(text, tag="td"):
+        cls = f' class="{text}"' if text in ("passed", "failed", "skipped", "killed", "survived") else ""
+        return f"<{tag}{cls}>{html.escape(str(text).replace(chr(92) + '|', '|'))}</{tag}>"
+
+    body = [f"<h1>{html.escape(doc.title)}</h1>"]
+    for s in doc.sections:
+        body.append(f"<h2>{html.escape(s.title)}</h2>")
+        body += [f"<p>{html.escape(p).replace('**', '')}</p>" for p in s.text]
+        if s.table:
+            header, rows = s.table
+            body.append("<table><tr>" + "".join(cell(h, "th") for h in header) + "</tr>")
+            body += ["<tr>" + "".join(cell(c) for c in row) + "</tr>" for row in rows]
+            body.append("</table>")
+    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1em}"
+             "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px;text-align:left}"
+             ".failed,.survived{background:#fcc}.passed,.killed{background:#dfd}.skipped{background:#eee}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(doc.title)}</title>"
+            f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+def write(doc: Doc, directory: Path) -> list:
+    directory.mkdir(parents=True, exist_ok=True)
+    md, page, record = (directory / f"conformance.{ext}" for ext in ("md", "html", "json"))
+    md.write_text(markdown(doc))
+    page.write_text(to_html(doc))
+    record.write_text(json.dumps(doc.data, indent=1, default=str) + "\n")
+    return [md, page, record]
