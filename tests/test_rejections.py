@@ -18,9 +18,9 @@ from fixtures import bits, paged_case
 pytestmark = pytest.mark.correctness
 
 
-def _base():
+def _base(context_lens=(10, 3)):
     # request 0: 10 positions in 3 pages of 4; request 1: 3 positions in 1 page
-    return paged_case(context_lens=[10, 3], query_len=3, q_heads=4, kv_heads=2, head_dim=8,
+    return paged_case(context_lens=list(context_lens), query_len=3, q_heads=4, kv_heads=2, head_dim=8,
                       page_size=4, seed=41, max_pages=3)
 
 
@@ -149,12 +149,16 @@ def test_metadata_build_rejects_bad_values():
                                  num_pages=7, query_len=3)
 
 
+# name -> (the valid batch, its corruption). For "context-past-table" every page is full,
+# so the page a kernel trusting max_pages would read past request 0's row (request 1's
+# first page, the next int32 of the table) holds written keys: only the safety net, not
+# NaN in unwritten slots, can make that request NaN.
 UNCHECKED = {
-    "page-id-high": lambda c: c.with_(block_table=_table(c, 0, 1, 999)),
-    "page-id-negative": lambda c: c.with_(block_table=_table(c, 0, 1, -1)),
-    "context-past-table": lambda c: c.with_(context_lens=mx.array([13, 3], dtype=mx.int32)),
-    "context-short": lambda c: c.with_(context_lens=mx.array([2, 3], dtype=mx.int32)),
-    "context-negative": lambda c: c.with_(context_lens=mx.array([-4, 3], dtype=mx.int32)),
+    "page-id-high": ((10, 3), lambda c: c.with_(block_table=_table(c, 0, 1, 999))),
+    "page-id-negative": ((10, 3), lambda c: c.with_(block_table=_table(c, 0, 1, -1))),
+    "context-past-table": ((12, 4), lambda c: c.with_(context_lens=mx.array([13, 4], dtype=mx.int32))),
+    "context-short": ((10, 3), lambda c: c.with_(context_lens=mx.array([2, 3], dtype=mx.int32))),
+    "context-negative": ((10, 3), lambda c: c.with_(context_lens=mx.array([-4, 3], dtype=mx.int32))),
 }
 
 
@@ -165,8 +169,9 @@ def test_unchecked_kernel_never_reads_outside_the_pool(name):
     cannot compute safely (page id outside the pool, a context past its table row or
     shorter than L) into NaN instead of reading outside the pool; the other requests
     are computed as usual."""
-    base = _base()
-    bad = UNCHECKED[name](base)
+    lens, corrupt = UNCHECKED[name]
+    base = _base(lens)
+    bad = corrupt(base)
     args = bad.args()[:5] + (4, 8 ** -0.5, True, 0)
     out = np.array(pagecheck_kernels.paged_attention(*args))
     assert np.isnan(out[0]).all()
