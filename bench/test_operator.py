@@ -1,65 +1,63 @@
-"""Operator latency, side by side in one run (`pytest --benchmark-only`).
+"""Operator latency, every path side by side on identical inputs (`pytest --benchmark-only`).
 
-Paths on identical inputs (decode: B=4, Hq=32, Hkv=8, D=128, page size 16):
-`paged` (ours, metadata validated once as in serving), `dense_gather` (gather through
-the table, then dense attention; the gather is counted), `mlx_sdpa` (MLX's fused SDPA on
-K/V gathered beforehand). Compare medians within one run only: the machine is shared.
-The full grid, bandwidth fractions and peers come with the benchmark issue.
+The grid, the paths and the skips are bench/grid.py's and bench/paths.py's, shared with
+`python -m bench.report`. Plain `pytest` runs the small smoke grid, each call once and
+untimed, and checks that every path computes the same attention; `--benchmark-only`
+runs the full grid (`PAGECHECK_BENCH_GRID=quick` for the small one) with adaptive
+rounds (bench/timing.py). Compare medians within one run only: the machine is shared.
+Each benchmark's extra_info carries its bytes (decode) or FLOPs (prefill), so
+`--benchmark-json` holds everything needed for bandwidth and GFLOP/s.
 """
 
-import mlx.core as mx
+import numpy as np
 import pytest
 
-import impl
-import oracles
-from fixtures import paged_case
-from oracles.dense import dense_gather
-
-SHAPE = dict(q_heads=32, kv_heads=8, head_dim=128, page_size=16, fill=0.0, extra_pages=0)
+from bench import grid, paths, timing
 
 
-def _decode_case(context, dtype):
-    return paged_case(context_lens=[context] * 4, query_len=1, dtype=dtype, seed=context, **SHAPE)
+def _level(config) -> str:
+    return grid.pytest_level(config)
 
 
-def _paged(case):
-    meta = impl.PagedMetadata.build(case.block_table, case.context_lens, page_size=case.page_size,
-                                    num_pages=case.key_pages.shape[0], query_len=case.query.shape[2])
-    return lambda: mx.eval(impl.paged_attention_with_metadata(case.query, case.key_pages, case.value_pages,
-                                                              meta, mask=case.mask))
+def pytest_generate_tests(metafunc):
+    specs = grid.attention_specs(_level(metafunc.config))
+    if "path" in metafunc.fixturenames:
+        cases = [(s, p) for s in specs for p in grid.PATHS]
+        metafunc.parametrize(("spec", "path"), cases, ids=[f"{s.id}-{p}" for s, p in cases])
+    elif "spec" in metafunc.fixturenames:
+        metafunc.parametrize("spec", specs, ids=[s.id for s in specs])
 
 
-def _dense_gather(case):
-    return lambda: mx.eval(case.run(oracles.dense.attention))
+@pytest.fixture(scope="module")
+def pools(request):
+    made = paths.Pools(grid.attention_specs(_level(request.config)))
+    yield made
+    del made
 
 
-def _mlx_sdpa(case):
-    """Every request holds the same context, so MLX's own "causal" (aligned at the last
-    key) is the contract's causal mask; a one-token decode needs no mask at all."""
-    keys, values, _ = dense_gather(case.key_pages, case.value_pages, case.block_table, case.context_lens,
-                                   case.page_size)
-    mx.eval(keys, values)
-    mask = "causal" if case.query.shape[2] > 1 else None
-    return lambda: mx.eval(mx.fast.scaled_dot_product_attention(case.query, keys, values,
-                                                                scale=case.query.shape[-1] ** -0.5, mask=mask))
+def test_operator(request, benchmark, pools, spec, path):
+    reason = grid.skip_reason(spec, path)
+    if reason:
+        pytest.skip(reason)
+    run = paths.make(path, pools.case(spec))
+    benchmark.group = f"{spec.id}"
+    benchmark.extra_info.update(spec.describe(), path=path, bytes=spec.io_bytes(), flops=spec.flops())
+    if benchmark.disabled:
+        benchmark(run)
+        return
+    rounds = timing.rounds_for(timing.timed(run), _level(request.config))
+    benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=0)
 
 
-PATHS = {"paged": _paged, "dense_gather": _dense_gather, "mlx_sdpa": _mlx_sdpa}
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("context", [128, 1024])
-@pytest.mark.parametrize("path", sorted(PATHS))
-def test_decode(benchmark, path, context, dtype):
-    case = _decode_case(context, dtype)
-    benchmark.group = f"decode S={context} {dtype}"
-    benchmark.extra_info.update(path=path, context=context, dtype=dtype, batch=4)
-    benchmark(PATHS[path](case))
-
-
-@pytest.mark.parametrize("path", ["paged", "mlx_sdpa"])
-def test_prefill(benchmark, path):
-    case = paged_case(context_lens=[256], query_len=256, dtype="float32", seed=1, **SHAPE)
-    benchmark.group = "prefill L=S=256 float32"
-    benchmark.pedantic(PATHS[path](case), rounds=3, iterations=1, warmup_rounds=1)
-
+def test_paths_agree(request, pools, spec):
+    """Every timed path computes the same attention (smoke grid only: the check is for
+    the benchmark's own set-up, e.g. torch's causal mask alignment)."""
+    if _level(request.config) != "smoke":
+        pytest.skip("checked by the smoke grid (plain pytest)")
+    case = pools.case(spec)
+    want = paths.as_numpy(paths.make("paged", case)())
+    tol = 2e-2 if spec.dtype == "bfloat16" else 1e-4
+    for path in grid.PATHS:
+        if grid.skip_reason(spec, path) is None:
+            got = paths.as_numpy(paths.make(path, case)())
+            np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{path} vs paged at {spec.id}")

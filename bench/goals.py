@@ -1,0 +1,94 @@
+"""Issue 6's goals, judged from a report's cases (bench/report.py) — never typed by hand.
+
+| goal                                           | measured as                                        | met when |
+|------------------------------------------------|----------------------------------------------------|----------|
+| decode: paged vs torch SDPA, S >= 1024         | worst torch / paged median over those cases         | >= 1.5x  |
+| decode: paged bandwidth fraction, S >= 8192 f32 | worst paged bandwidth_fraction over those cases    | >= 70%   |
+| prefill: paged vs torch SDPA                   | worst torch / paged median over prefill cases       | >= 1x    |
+| decode / prefill: paged vs MLX SDPA            | worst mlx_sdpa / paged median (timed cases)         | >= 10x   |
+| write: 1 GiB / 64 MiB pool                     | worst median ratio (1-token append, 128-token chunk) | <= 1.2x  |
+| serving: decode tok/s paged / dense            | from the serving trace                              | >= 1.6x  |
+| serving: peak KV bytes paged / dense           | from the serving trace                              | <= 0.55x |
+
+"Worst" is the strict reading: a goal is met only where every case meets it. Each goal
+also carries the median over its cases and the worst case's name.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def _name(c: dict) -> str:
+    return f"B{c['batch']} S{c['context']} ps{c['page_size']} {c['dtype']}"
+
+
+def _timed(cases, op, path):
+    return {(c["batch"], c["context"], c["page_size"], c["dtype"]): c for c in cases
+            if c["op"] == op and c["path"] == path and "median_s" in c}
+
+
+def _speedup(cases, op, other, keep=lambda c: True):
+    """[(other median / paged median, paged case)] over cases where both were timed."""
+    paged, rival = _timed(cases, op, "paged"), _timed(cases, op, other)
+    return [(rival[k]["median_s"] / paged[k]["median_s"], paged[k]) for k in paged if k in rival and keep(paged[k])]
+
+
+def _goal(name, pairs, target, *, at_least=True, unit="x", why_missing="not measured"):
+    if not pairs:
+        return {"goal": name, "target": target, "at_least": at_least, "unit": unit, "measured": None,
+                "met": None, "detail": why_missing}
+    worst_value, worst_case = (min if at_least else max)(pairs, key=lambda p: p[0])
+    met = worst_value >= target if at_least else worst_value <= target
+    detail = f"worst {_name(worst_case)}" if "batch" in worst_case else worst_case.get("name", "")
+    if len(pairs) > 1:
+        detail += f"; median {_fmt(statistics.median(p[0] for p in pairs), unit)} over {len(pairs)} cases"
+    return {"goal": name, "target": target, "at_least": at_least, "unit": unit, "measured": worst_value,
+            "met": met, "detail": detail}
+
+
+def _fmt(value, unit) -> str:
+    return f"{value:.0%}" if unit == "%" else f"{value:.2f}x"
+
+
+def evaluate(report: dict) -> list[dict]:
+    cases = report["cases"]
+    no_torch = "torch_sdpa not timed (" + next(
+        (c["skipped"] for c in cases if c["path"] == "torch_sdpa" and "skipped" in c), "no cases") + ")"
+    bw = [(c["bandwidth_fraction"], c) for c in _timed(cases, "decode", "paged").values()
+          if c["context"] >= 8192 and c["dtype"] == "float32"]
+    writes = [(c["ratio_vs_smallest_pool"], {"name": f"{c['tokens']}-token write, {c['pool_mib']} MiB pool"})
+              for c in cases if c["op"] == "write" and c["pool_mib"] != min(w["pool_mib"] for w in cases
+                                                                         if w["op"] == "write")]
+    goals = [
+        _goal("decode: paged vs torch SDPA, S >= 1024", _speedup(cases, "decode", "torch_sdpa",
+                                                                 lambda c: c["context"] >= 1024), 1.5,
+              why_missing=no_torch),
+        _goal("decode: paged bandwidth fraction, S >= 8192 f32", bw, 0.70, unit="%"),
+        _goal("prefill: paged vs torch SDPA", _speedup(cases, "prefill", "torch_sdpa"), 1.0, why_missing=no_torch),
+        _goal("decode: paged vs MLX SDPA", _speedup(cases, "decode", "mlx_sdpa"), 10.0),
+        _goal("prefill: paged vs MLX SDPA", _speedup(cases, "prefill", "mlx_sdpa"), 10.0),
+        _goal("write: 1 GiB / 64 MiB pool, same write", writes, 1.2, at_least=False),
+    ]
+    serving = report.get("serving")
+    ratios = serving["ratios"] if serving else None
+    goals += [
+        _goal("serving: decode tok/s paged / dense",
+              [(ratios["decode_tok_s"], {"name": serving["trace_name"]})] if ratios else [], 1.6,
+              why_missing="serving trace not run"),
+        _goal("serving: peak KV bytes paged / dense",
+              [(ratios["peak_kv_bytes"], {"name": serving["trace_name"]})] if ratios else [], 0.55,
+              at_least=False, why_missing="serving trace not run"),
+    ]
+    return goals
+
+
+def verdict(goal: dict) -> str:
+    return {True: "met", False: "not met", None: "n/a"}[goal["met"]]
+
+
+def describe(goal: dict) -> tuple[str, str]:
+    """(measured, target) as text."""
+    sign = ">=" if goal["at_least"] else "<="
+    measured = "-" if goal["measured"] is None else _fmt(goal["measured"], goal["unit"])
+    return measured, f"{sign} {_fmt(goal['target'], goal['unit'])}"

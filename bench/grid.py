@@ -1,0 +1,131 @@
+"""The benchmark grid: one definition for `pytest --benchmark-only` (bench/test_operator.py)
+and `python -m bench.report`, at the Qwen3-4B attention shape (Hq 32, Hkv 8, D 128).
+
+| level  | used by                       | decode B x S x page x dtype                        | prefill (B 1, causal, L = S) |
+|--------|-------------------------------|----------------------------------------------------|------------------------------|
+| full   | report; pytest --benchmark-only | {1,4,16} x {128,1024,8192,32768} x {16,128} x {f32,bf16} | L {512,2048} x {16,128} x {f32,bf16} |
+| quick  | report --quick (<= 5 min)     | {1,4} x {128,1024,8192} x {16,128} x {f32,bf16}    | L 512 x {16} x {f32,bf16}    |
+| smoke  | plain pytest (each path once, untimed) | (4,128,16,f32), (1,1024,128,bf16)         | L 128 x {16} x {f32}         |
+
+Paths (bench/paths.py): `paged` (ours), `dense_gather` (gather through the table, then
+dense attention: the gather is counted), `mlx_sdpa` and `torch_sdpa` (fused SDPA on
+K/V gathered beforehand). `PAGECHECK_BENCH_GRID=quick|full` picks the level for
+`pytest --benchmark-only` (default full). Skips, each with its reason (`skip_reason`):
+
+| path         | skipped when                                                         |
+|--------------|----------------------------------------------------------------------|
+| torch_sdpa   | torch is not installed (optional extra `bench`)                       |
+| mlx_sdpa     | above MLX_SDPA_MAX_TOKENS = 131072 cached tokens (B x S: only B 16 x S 32768), prefill above L = MLX_SDPA_MAX_PREFILL = 512 |
+| dense_gather | above DENSE_MAX_TOKENS = 131072 cached tokens (B 16 x S 32768): its gathered copies would not fit beside the pool |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+
+SHAPE = dict(q_heads=32, kv_heads=8, head_dim=128)
+PATHS = ("paged", "dense_gather", "mlx_sdpa", "torch_sdpa")
+LEVELS = ("smoke", "quick", "full")
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
+
+# MLX's CPU SDPA is the unfused fallback: ~1-1.5 GB/s of K/V in decode (32 ms at B 4, S 1024
+# f32 here, under load) and ~1.4-5 s for one causal L = S = 512 prefill, growing as L^2.
+MLX_SDPA_MAX_TOKENS = 131072   # B x S: B 16 at S 8192 (1 GiB f32, ~1 s a call) is the largest timed
+MLX_SDPA_MAX_PREFILL = 512     # ~20-80 s a call at 2048
+# dense_gather materializes the gathered K/V, their masked copy and (bf16) their f32
+# widening: ~3x the K/V bytes beside the pool; B 16 x S 32768 f32 would need ~12 GiB more.
+DENSE_MAX_TOKENS = 131072
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One attention call: `batch` requests of `context` cached positions each, the last
+    `query_len` of them queried (1: decode; = context: causal prefill)."""
+
+    op: str
+    batch: int
+    context: int
+    page_size: int
+    dtype: str
+    query_len: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-B{self.batch}-S{self.context}-ps{self.page_size}-{self.dtype}"
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+    def io_bytes(self) -> int:
+        """Bytes the operator must move: K/V actually read + Q + O + the table entries read."""
+        h, d, size = SHAPE["q_heads"], SHAPE["head_dim"], ITEMSIZE[self.dtype]
+        kv = 2 * self.batch * self.context * SHAPE["kv_heads"] * d * size
+        qo = 2 * self.batch * h * self.query_len * d * size
+        return kv + qo + 4 * self.batch * -(-self.context // self.page_size)
+
+    def flops(self) -> int:
+        """Multiply-adds x 2 of QK^T and PV over the (query, key) pairs the mask lets through."""
+        L, S = self.query_len, self.context
+        pairs = sum(S - L + 1 + l for l in range(L))  # causal: row l sees S - L + 1 + l keys
+        return 4 * self.batch * SHAPE["q_heads"] * SHAPE["head_dim"] * pairs
+
+
+def _decode(batches, contexts, pages, dtypes):
+    return [Spec("decode", b, s, p, d, 1) for p in pages for d in dtypes for b in batches for s in contexts]
+
+
+def _prefill(lengths, pages, dtypes):
+    return [Spec("prefill", 1, n, p, d, n) for p in pages for d in dtypes for n in lengths]
+
+
+def attention_specs(level: str) -> list[Spec]:
+    """The level's decode and prefill calls, in run order: page size, then dtype, slowest,
+    so one shared pool serves a whole stretch (bench/paths.py)."""
+    if level == "full":
+        specs = _decode((1, 4, 16), (128, 1024, 8192, 32768), (16, 128), ("float32", "bfloat16")) + \
+            _prefill((512, 2048), (16, 128), ("float32", "bfloat16"))
+    elif level == "quick":
+        specs = _decode((1, 4), (128, 1024, 8192), (16, 128), ("float32", "bfloat16")) + \
+            _prefill((512,), (16,), ("float32", "bfloat16"))
+    elif level == "smoke":
+        specs = [Spec("decode", 4, 128, 16, "float32", 1), Spec("decode", 1, 1024, 128, "bfloat16", 1),
+                 Spec("prefill", 1, 128, 16, "float32", 128)]
+    else:
+        raise ValueError(f"unknown level {level!r}, expected one of {LEVELS}")
+    return sorted(specs, key=lambda s: (s.page_size, s.dtype != "float32"))
+
+
+def torch_available() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # a None entry in sys.modules: hidden on purpose
+        return False
+
+
+def skip_reason(spec: Spec, path: str) -> str | None:
+    """Why `path` is not timed for `spec`, or None."""
+    tokens = spec.batch * spec.context
+    if path == "torch_sdpa" and not torch_available():
+        return "torch not installed (optional extra: pip install '.[bench]')"
+    if path == "mlx_sdpa" and spec.op == "decode" and tokens > MLX_SDPA_MAX_TOKENS:
+        return (f"MLX CPU SDPA above {MLX_SDPA_MAX_TOKENS} cached tokens (B x S = {tokens}): "
+                f"~1-1.5 GB/s unfused fallback, seconds per call")
+    if path == "mlx_sdpa" and spec.op == "prefill" and spec.query_len > MLX_SDPA_MAX_PREFILL:
+        return (f"MLX CPU SDPA prefill above L = {MLX_SDPA_MAX_PREFILL}: ~1.4-5 s a call at 512, growing "
+                f"as L^2 (~{(spec.query_len / 512) ** 2:.0f}x that at {spec.query_len})")
+    if path == "dense_gather" and tokens > DENSE_MAX_TOKENS:
+        return (f"dense_gather above {DENSE_MAX_TOKENS} cached tokens (B x S = {tokens}): its gathered "
+                f"copies (~3x the K/V bytes) do not fit beside the pool in 24 GiB")
+    return None
+
+
+def pytest_level(config) -> str:
+    """smoke for plain pytest (benchmarks disabled), else $PAGECHECK_BENCH_GRID (default full)."""
+    if getattr(config.option, "benchmark_disable", True):
+        return "smoke"
+    level = os.environ.get("PAGECHECK_BENCH_GRID", "full")
+    if level not in LEVELS:
+        raise ValueError(f"PAGECHECK_BENCH_GRID={level!r}, expected one of {LEVELS}")
+    return level

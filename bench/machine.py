@@ -1,0 +1,109 @@
+"""The machine's limits, measured in the same run as the cases they judge, and its versions.
+
+| limit                 | how                                                                  |
+|-----------------------|----------------------------------------------------------------------|
+| `read_gbytes_per_s`   | numpy sum over a 256 MB float32 array, split across as many threads as the kernel uses (numpy releases the GIL in reductions); best of 7 |
+| `sgemm_gflops`        | numpy float32 matmul 2048^3 in a subprocess whose BLAS gets the kernel's thread count (OPENBLAS_NUM_THREADS); best of 5 |
+
+Best-of, not median: a limit is what the machine can do, and the machine is shared.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+import impl
+
+READ_BYTES = 256 * 10**6
+SGEMM_N = 2048
+
+_SGEMM = """
+import time, numpy as np
+n = {n}
+a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+b = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
+a @ b
+best = min(__import__("timeit").repeat(lambda: a @ b, number=1, repeat=5))
+print(2 * n ** 3 / best / 1e9)
+"""
+
+
+def read_bandwidth(threads: int, nbytes: int = READ_BYTES, repeat: int = 7) -> float:
+    """GB/s of a threaded numpy sum over `nbytes` of float32."""
+    data = np.ones(nbytes // 4, dtype=np.float32)
+    chunks = np.array_split(data, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, chunks))
+            best = min(best, time.perf_counter() - t0)
+    return data.nbytes / best / 1e9
+
+
+def sgemm_rate(threads: int, n: int = SGEMM_N) -> float:
+    """GFLOP/s of numpy's float32 matmul n^3 with `threads` BLAS threads."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, "-c", _SGEMM.format(n=n)], env=env, check=True,
+                         capture_output=True, text=True, timeout=600)
+    return float(out.stdout.strip())
+
+
+def limits() -> dict:
+    threads = impl.num_threads()
+    return {"threads": threads, "read_gbytes_per_s": read_bandwidth(threads), "sgemm_gflops": sgemm_rate(threads),
+            "read_bytes": READ_BYTES, "sgemm_n": SGEMM_N, "load_average": _load()}
+
+
+def _load() -> float | None:
+    """The 1-minute load average: other jobs on a shared machine move every figure."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def best_of(*measured: dict) -> dict:
+    """Limits measured more than once in a run (start and end): the higher of each, and
+    every load average."""
+    out = dict(measured[0], load_average=[m["load_average"] for m in measured])
+    for m in measured[1:]:
+        for key in ("read_gbytes_per_s", "sgemm_gflops"):
+            out[key] = max(out[key], m[key])
+    return out
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def info() -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "kernel_threads": impl.num_threads(), "python": platform.python_version(),
+        "versions": {d: _version(d) for d in ("mlx", "numpy", "torch", "pytest-benchmark", "matplotlib",
+                                              "pagecheck")},
+    }

@@ -1,0 +1,139 @@
+"""The timed paths on identical inputs, and the shared page pool they read.
+
+| path           | what one call does (timed)                                            |
+|----------------|-----------------------------------------------------------------------|
+| `paged`        | ours: `paged_attention_with_metadata` (metadata validated once, as in serving) |
+| `dense_gather` | gather through the block table, then dense MLX attention (`oracles.dense`) |
+| `mlx_sdpa`     | `mx.fast.scaled_dot_product_attention` on K/V gathered beforehand      |
+| `torch_sdpa`   | `torch.nn.functional.scaled_dot_product_attention` (CPU, GQA, same dtype and thread count as ours) on K/V gathered beforehand |
+
+Every call returns its output, evaluated. `Pools` builds one pool per (page size, dtype)
+with `fixtures.paged_case` at the grid's largest batch and context, pages in random order;
+each spec reads the first `batch` rows of its table, cut at its context.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+import impl
+from fixtures import paged_case
+from oracles.dense import attention as dense_attention
+from oracles.dense import dense_gather
+
+from .grid import SHAPE, Spec
+
+
+class Pools:
+    """The shared pool of the spec being run; holds one (page size, dtype) at a time."""
+
+    def __init__(self, specs):
+        self.max_batch = max(s.batch for s in specs)
+        self.max_context = max(s.context for s in specs)
+        self._key, self._base = None, None
+
+    def _pool(self, page_size: int, dtype: str):
+        key = (page_size, dtype)
+        if self._key != key:
+            held, self._key, self._base = self._base, None, None
+            if held is not None and held.page_size == page_size and dtype != "float32":
+                base = held.with_(key_pages=held.key_pages.astype(getattr(mx, dtype)),
+                                  value_pages=held.value_pages.astype(getattr(mx, dtype)))
+            else:
+                base = paged_case(context_lens=[self.max_context] * self.max_batch, query_len=1,
+                                  page_size=page_size, dtype=dtype, seed=page_size, fill=0.0,
+                                  extra_pages=0, **SHAPE)
+            del held
+            mx.eval(base.key_pages, base.value_pages)
+            self._key, self._base = key, base
+        return self._base
+
+    def case(self, spec: Spec):
+        base = self._pool(spec.page_size, spec.dtype)
+        pages = -(-spec.context // spec.page_size)
+        table = np.array(base.block_table)[:spec.batch, :pages]
+        query = mx.random.normal((spec.batch, SHAPE["q_heads"], spec.query_len, SHAPE["head_dim"]),
+                                 key=mx.random.key(spec.batch * 7919 + spec.query_len)).astype(getattr(mx, spec.dtype))
+        case = base.with_(query=query, block_table=mx.array(table),
+                          context_lens=mx.array(np.full(spec.batch, spec.context, dtype=np.int32)),
+                          mask="causal", name=spec.id)
+        mx.eval(case.query, case.block_table, case.context_lens)
+        return case
+
+
+def _paged(case):
+    meta = impl.PagedMetadata.build(case.block_table, case.context_lens, page_size=case.page_size,
+                                    num_pages=case.key_pages.shape[0], query_len=case.query.shape[2])
+
+    def run():
+        out = impl.paged_attention_with_metadata(case.query, case.key_pages, case.value_pages, meta, mask=case.mask)
+        mx.eval(out)
+        return out
+    return run
+
+
+def _dense_gather(case):
+    return lambda: case.run(dense_attention)
+
+
+def _gathered(case):
+    keys, values, _ = dense_gather(case.key_pages, case.value_pages, case.block_table, case.context_lens,
+                                   case.page_size)
+    mx.eval(keys, values)
+    return keys, values
+
+
+def _mlx_sdpa(case):
+    """Every request holds the same context, so MLX's "causal" (aligned at the last key)
+    is the contract's causal mask; a one-token decode needs no mask."""
+    keys, values = _gathered(case)
+    mask = "causal" if case.query.shape[2] > 1 else None
+
+    def run():
+        out = mx.fast.scaled_dot_product_attention(case.query, keys, values, scale=case.query.shape[-1] ** -0.5,
+                                                   mask=mask)
+        mx.eval(out)
+        return out
+    return run
+
+
+def to_torch(x: mx.array):
+    """A zero-copy torch view of an evaluated, contiguous MLX array (bf16 through uint16)."""
+    import torch
+    mx.eval(x)
+    if x.dtype == mx.bfloat16:
+        return torch.from_numpy(np.asarray(x.view(mx.uint16))).view(torch.bfloat16)
+    return torch.from_numpy(np.asarray(x))
+
+
+def _torch_sdpa(case):
+    """torch's `is_causal` aligns at the first key, so it is the contract's mask only for
+    L == S (the grid's prefill); a one-token decode needs no mask."""
+    import torch
+    L, S = case.query.shape[2], int(case.context_lens[0].item())
+    assert L in (1, S), f"torch_sdpa times decode (L 1) or prefill with L == S, got L {L}, S {S}"
+    torch.set_num_threads(impl.num_threads())
+    keys, values = _gathered(case)
+    q, k, v = to_torch(case.query), to_torch(keys), to_torch(values)
+    del keys, values  # the torch views keep the buffers
+
+    def run():
+        with torch.inference_mode():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=L > 1, enable_gqa=True)
+    return run
+
+
+MAKERS = {"paged": _paged, "dense_gather": _dense_gather, "mlx_sdpa": _mlx_sdpa, "torch_sdpa": _torch_sdpa}
+
+
+def make(path: str, case):
+    """A zero-argument callable running `path` once on `case` (set-up not timed)."""
+    return MAKERS[path](case)
+
+
+def as_numpy(out) -> np.ndarray:
+    """float32 host copy of an MLX or torch output, for comparing paths."""
+    if isinstance(out, mx.array):
+        return np.array(out.astype(mx.float32))
+    return out.float().numpy()

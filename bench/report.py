@@ -1,0 +1,160 @@
+"""The benchmark report: the grid, the write path and the serving trace in one run.
+
+    python -m bench.report [--quick] [--json PATH] [--plot PNG] [--readme]
+
+Runs bench/grid.py's level (full, or quick: at most 5 minutes on the 2-core machine),
+prints a table and the goals (bench/goals.py), writes the JSON and the plot; `--readme`
+then rewrites README.md's results (bench/readme.py). The machine's limits are measured
+at the start and the end of the run (bench/machine.py; the higher of each is used).
+
+JSON: `machine` (versions, threads), `limits`, `level`, `cases` (one per op x path x
+case, timed or `"skipped": reason`), `serving` (bench/serving.py's report and its
+ratios), `goals`, `wall_s`. A timed case has:
+
+| field                              | meaning                                                   |
+|------------------------------------|-----------------------------------------------------------|
+| `op`, `path`, `batch`, `context`, `page_size`, `dtype`, `query_len` | the call (write: `tokens`, `pool_mib`) |
+| `median_s`, `p95_s`, `min_s`, `rounds` | latency over the timed rounds (after one warm-up)        |
+| `bytes`, `gbytes_per_s`            | K/V read + Q + O + table entries (write: rows written), over the median |
+| `bandwidth_fraction` (decode)      | gbytes_per_s / the measured read bandwidth                 |
+| `flops`, `gflops`, `flops_fraction` (prefill) | causal QK^T + PV FLOPs over the median, / measured sgemm |
+| `paged_speedup`                    | this path's median / paged's median on the same case       |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import goals as goals_mod
+from . import grid, machine, paths, timing, write
+from .readme import median_cell as _ms
+
+
+def attention_cases(level: str, log=print) -> list[dict]:
+    specs = grid.attention_specs(level)
+    pools, rows = paths.Pools(specs), []
+    for spec in specs:
+        case = None
+        for path in grid.PATHS:
+            row = {**spec.describe(), "path": path}
+            reason = grid.skip_reason(spec, path)
+            if reason:
+                rows.append({**row, "skipped": reason})
+                continue
+            case = case or pools.case(spec)
+            run = paths.make(path, case)
+            row.update(timing.summary(timing.measure(run, level)), bytes=spec.io_bytes(), flops=spec.flops())
+            del run
+            rows.append(row)
+            log(f"  {spec.id:<36} {path:<13} {row['median_s'] * 1e3:10.3f} ms  ({row['rounds']} rounds)")
+    return rows
+
+
+def _derive(cases: list[dict], limits: dict) -> None:
+    paged = {(c["op"], c["batch"], c["context"], c["page_size"], c["dtype"]): c["median_s"]
+             for c in cases if c["path"] == "paged" and "median_s" in c and c["op"] != "write"}
+    for c in cases:
+        if "median_s" not in c:
+            continue
+        c["gbytes_per_s"] = c["bytes"] / c["median_s"] / 1e9
+        if c["op"] == "write":
+            c["bandwidth_fraction"] = c["gbytes_per_s"] / limits["read_gbytes_per_s"]
+            continue
+        if c["op"] == "decode":
+            c["bandwidth_fraction"] = c["gbytes_per_s"] / limits["read_gbytes_per_s"]
+        c["gflops"] = c["flops"] / c["median_s"] / 1e9
+        if c["op"] == "prefill":
+            c["flops_fraction"] = c["gflops"] / limits["sgemm_gflops"]
+        base = paged.get((c["op"], c["batch"], c["context"], c["page_size"], c["dtype"]))
+        if base:
+            c["paged_speedup"] = c["median_s"] / base
+
+
+def serving_section(level: str) -> dict:
+    from . import serving
+    trace = serving.DEFAULT if level == "full" else serving.QUICK
+    out = serving.run(trace)
+    v = out["variants"]
+    out["trace_name"] = f"{'default' if level == 'full' else 'quick'} trace {out['trace']['digest']}"
+    out["ratios"] = {key: v["paged"][key] / v["dense"][key] for key in
+                     ("decode_tok_s", "prefill_tok_s", "requests_s", "peak_kv_bytes")}
+    out["ratios"]["paged_gather_decode_tok_s"] = v["paged_gather"]["decode_tok_s"] / v["dense"]["decode_tok_s"]
+    out["table"] = serving.table(out)
+    return out
+
+
+def run(level: str, *, with_serving: bool = True, log=print) -> dict:
+    t0 = time.perf_counter()
+    log(f"machine limits ({level} run) ...")
+    first = machine.limits()
+    log(f"attention grid ({len(grid.attention_specs(level))} cases x {len(grid.PATHS)} paths) ...")
+    cases = attention_cases(level, log)
+    log("write path ...")
+    cases += write.run(level)
+    limits = machine.best_of(first, machine.limits())
+    _derive(cases, limits)
+    report = {"machine": machine.info(), "limits": limits, "level": level, "cases": cases}
+    if with_serving:
+        log("serving trace ...")
+        report["serving"] = serving_section(level)
+    report["goals"] = goals_mod.evaluate(report)
+    report["wall_s"] = time.perf_counter() - t0
+    return report
+
+
+def table(report: dict) -> str:
+    lim = report["limits"]
+    lines = [f"limits: read {lim['read_gbytes_per_s']:.1f} GB/s, sgemm {lim['sgemm_gflops']:.0f} GFLOP/s, "
+             f"{lim['threads']} threads, load average {lim['load_average']}; median ms (x: path / paged)",
+             f"{'case':<34}{'paged':>10}{'frac':>7}" + "".join(f"{p:>17}" for p in grid.PATHS[1:])]
+    by_case = {}
+    for c in report["cases"]:
+        if c["op"] != "write":
+            by_case.setdefault((c["op"], c["batch"], c["context"], c["page_size"], c["dtype"]), {})[c["path"]] = c
+    for (op, b, s, ps, dt), row in by_case.items():
+        p = row.get("paged", {})
+        frac = p.get("bandwidth_fraction", p.get("flops_fraction"))
+        lines.append(f"{f'{op} B{b} S{s} ps{ps} {dt}':<34}{_ms(p):>10}{'' if frac is None else f'{frac:.0%}':>7}"
+                     + "".join(f"{_ms(row.get(path)):>17}" for path in grid.PATHS[1:]))
+    for c in report["cases"]:
+        if c["op"] == "write":
+            lines.append(f"write {c['tokens']:>3} token(s), {c['pool_mib']:>4} MiB pool: {c['median_s'] * 1e6:8.1f} us"
+                         f"  (x{c['ratio_vs_smallest_pool']:.2f} of the smallest pool)")
+    if "serving" in report:
+        lines += ["", "serving: " + report["serving"]["table"]]
+    lines.append("")
+    for g in report["goals"]:
+        measured, target = goals_mod.describe(g)
+        lines.append(f"{g['goal']:<48} {measured:>8}  goal {target:<8} {goals_mod.verdict(g):<8} {g['detail']}")
+    lines.append(f"wall time {report['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the quick grid (at most 5 minutes here)")
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON here")
+    parser.add_argument("--plot", metavar="PNG", help="plot latency against context per path (needs matplotlib)")
+    parser.add_argument("--readme", nargs="?", const="README.md", metavar="README",
+                        help="rewrite the results in README.md (or this file) from the report")
+    args = parser.parse_args(argv)
+    report = run("quick" if args.quick else "full", log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        from .plot import plot
+        print(plot(report, args.plot))
+    if args.readme:
+        from .readme import rewrite
+        rewrite(args.readme, report)
+        print(f"rewrote the benchmark results in {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
