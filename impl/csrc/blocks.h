@@ -8,6 +8,13 @@
 //             exactly the lane pairs of fold_lanes' halving tree (i + 8, i + 4, i + 2, i + 1),
 //             just for 16 keys at once, and leaves key k in lane k.
 //   weigh     o[d] += p_j * v_j[d] for j ascending, o held in registers across the block.
+//
+// The *_rows variants do the same for up to kRowBlock query rows at once. They change
+// only which loads feed the multiply-adds: each K or V vector is loaded once for all
+// rows and each query or output vector once for four keys / all keys of the block,
+// halving the loads per fused multiply-add (the loads, not the FMAs, bounded the
+// single-row loops). Every (row, key) score and every output element still sees the
+// identical sequence of operations, so the bits do not change.
 #pragma once
 
 #include <type_traits>
@@ -85,6 +92,71 @@ inline void scores16(const float* q, const float* const* rows, int D, float* s) 
   for (int k = 0; k < kBlock; ++k) s[k] = dot16(q, rows[k], D);
 }
 
+constexpr int kRowBlock = 4;  // query rows per register block
+
+#if defined(__AVX512F__)
+// The 16 per-key accumulators of one row, folded into natural key order (scores16).
+inline void fold16(const __m512* acc, float* s) {
+  __m512 h[8], qu[4], pr[2];
+  for (int j = 0; j < 8; ++j) h[j] = fold_halves(acc[2 * j], acc[2 * j + 1]);
+  for (int m = 0; m < 4; ++m) qu[m] = fold_quarters(h[2 * m], h[2 * m + 1]);
+  for (int n = 0; n < 2; ++n) pr[n] = fold_pairs(qu[2 * n], qu[2 * n + 1]);
+  _mm512_storeu_ps(s, fold_singles(pr[0], pr[1]));
+}
+
+// NR rows x 16 keys, four keys at a time: 4 NR accumulators, 4 + NR loads per step.
+template <int NR>
+inline void scores16_block(const float* const* q, const float* const* rows, int D, float* const* s) {
+  __m512 acc[NR][kBlock];
+  for (int k0 = 0; k0 < kBlock; k0 += 4) {
+    __m512 a[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += kLanes) {
+      __m512 kv[4];
+      for (int i = 0; i < 4; ++i) kv[i] = _mm512_loadu_ps(rows[k0 + i] + d);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 qv = _mm512_loadu_ps(q[r] + d);
+        for (int i = 0; i < 4; ++i) a[r][i] = fma16(qv, kv[i], a[r][i]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][k0 + i] = a[r][i];
+  }
+  for (int r = 0; r < NR; ++r) fold16(acc[r], s[r]);
+}
+
+// NR rows x NV output vectors (columns d0 .. d0 + 16 NV) in registers across the keys.
+template <int NR, int NV>
+inline void weigh_block(const float* const* rows, const float* const* p, int n, float* const* o, int d0) {
+  __m512 acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_loadu_ps(o[r] + d0 + v * kLanes);
+  for (int j = 0; j < n; ++j) {
+    __m512 vj[NV];
+    for (int v = 0; v < NV; ++v) vj[v] = _mm512_loadu_ps(rows[j] + d0 + v * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r][j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = fma16(pj, vj[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o[r] + d0 + v * kLanes, acc[r][v]);
+}
+
+template <int NR>
+inline void weigh_rows_nr(const float* const* rows, const float* const* p, int n, float* const* o, int D) {
+  for (int d0 = 0; d0 < D; d0 += 4 * kLanes) {
+    switch ((D - d0) / kLanes) {
+      case 1: weigh_block<NR, 1>(rows, p, n, o, d0); break;
+      case 2: weigh_block<NR, 2>(rows, p, n, o, d0); break;
+      case 3: weigh_block<NR, 3>(rows, p, n, o, d0); break;
+      default: weigh_block<NR, 4>(rows, p, n, o, d0); break;
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
 // NV registers of o (columns d0 .. d0 + 16 NV) stay in registers across the block.
 template <int NV>
@@ -119,6 +191,76 @@ inline void weigh(const float* const* rows, const float* p, int n, float* o, int
   }
 #endif
   for (int j = 0; j < n; ++j) axpy(p[j], rows[j], o, D);
+}
+
+// scores16 for nr <= kRowBlock rows: s[r][k] = dot16(q[r], rows[k]).
+inline void scores16_rows(const float* const* q, int nr, const float* const* rows, int D, float* const* s) {
+#if defined(__AVX512F__)
+  if (D % kLanes == 0) {
+    switch (nr) {
+      case 1: scores16_block<1>(q, rows, D, s); return;
+      case 2: scores16_block<2>(q, rows, D, s); return;
+      case 3: scores16_block<3>(q, rows, D, s); return;
+      default: scores16_block<4>(q, rows, D, s); return;
+    }
+  }
+#endif
+  for (int r = 0; r < nr; ++r) scores16(q[r], rows, D, s[r]);
+}
+
+// weigh for nr <= kRowBlock rows over the same n keys: o[r][d] += p[r][j] * rows[j][d].
+inline void weigh_rows(const float* const* rows, const float* const* p, int nr, int n, float* const* o, int D) {
+#if defined(__AVX512F__)
+  if (D % kLanes == 0) {
+    switch (nr) {
+      case 1: weigh_rows_nr<1>(rows, p, n, o, D); return;
+      case 2: weigh_rows_nr<2>(rows, p, n, o, D); return;
+      case 3: weigh_rows_nr<3>(rows, p, n, o, D); return;
+      default: weigh_rows_nr<4>(rows, p, n, o, D); return;
+    }
+  }
+#endif
+  for (int r = 0; r < nr; ++r) weigh(rows, p[r], n, o[r], D);
+}
+
+#if defined(__AVX512F__)
+// exp2_nonpositive (numerics.h) on 16 lanes: the same operations in the same order,
+// lane by lane, so every lane's bits equal the scalar function's.
+inline __m512 exp2_nonpositive16(__m512 x) {
+  const __m512 lim = _mm512_set1_ps(-127.f), shift = _mm512_set1_ps(12582912.f);
+  const __m512 xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lim, _CMP_GE_OQ), lim, x);
+  const __m512 r = _mm512_sub_ps(_mm512_add_ps(xc, shift), shift);
+  const __m512 f = _mm512_sub_ps(xc, r);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = fma16(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = fma16(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = fma16(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = fma16(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = fma16(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = fma16(p, f, _mm512_set1_ps(1.0f));
+  const __m512i n = _mm512_cvttps_epi32(r);
+  const __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+  const __m512 y = _mm512_mul_ps(p, two_n);
+  const __m512 edge = _mm512_set1_ps(-126.f);
+  const __mmask16 in_range = _mm512_cmp_ps_mask(x, edge, _CMP_GE_OQ);
+  const __mmask16 below = _mm512_cmp_ps_mask(x, edge, _CMP_LT_OQ);
+  const __m512 tail = _mm512_mask_blend_ps(below, x, _mm512_setzero_ps());  // NaN stays NaN
+  return _mm512_mask_blend_ps(in_range, tail, y);
+}
+#endif
+
+// p[i] = exp2_nonpositive((p[i] - m) * scale) for i < n.
+inline void exp2_shifted(float* p, int n, float m, float scale) {
+  int i = 0;
+#if defined(__AVX512F__)
+  const __m512 mv = _mm512_set1_ps(m), sv = _mm512_set1_ps(scale);
+  for (; i < n; i += kLanes) {
+    const __mmask16 live = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + i), mv), sv);
+    _mm512_mask_storeu_ps(p + i, live, exp2_nonpositive16(x));
+  }
+#endif
+  for (; i < n; ++i) p[i] = exp2_nonpositive((p[i] - m) * scale);
 }
 
 // Widen one row to float32 (exact for every element type, so the vector and the

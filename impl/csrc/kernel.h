@@ -127,6 +127,40 @@ struct Scratch {
   }
 };
 
+// Open groups of rows keyed by their span [a, z) within one block of keys.
+struct RowGroups {
+  struct Group {
+    int a, z, n;
+    const float* p[kRowBlock];
+    float* o[kRowBlock];
+  };
+  Group list[kBlock * (kBlock + 1) / 2 + 1];  // at most one per distinct span in a block
+  int count = 0;
+
+  Group& open(int a, int z) {
+    for (int i = 0; i < count; ++i) {
+      if (list[i].a == a && list[i].z == z) return list[i];
+    }
+    Group& g = list[count++];
+    g.a = a;
+    g.z = z;
+    g.n = 0;
+    return g;
+  }
+};
+
+constexpr int kPrefetchBlocks = 2;
+
+// Ask for the K or V rows first .. first + kBlock - 1 of a chunk (clipped to [0, n)).
+template <class T>
+inline void prefetch_block(const T* pool, const int64_t* off, int first, int n, int64_t row_bytes) {
+  const int a = std::max(first, 0), z = std::min(first + kBlock, n);
+  for (int k = a; k < z; ++k) {
+    const char* row = reinterpret_cast<const char*>(pool + off[k]);
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  }
+}
+
 // Attention of `rows` query rows over the keys of one chunk. clo/chi: each row's visible
 // keys clipped to the chunk (clo >= chi: none); [jlo, jhi): their union; off: the K/V
 // row offsets of keys jlo .. jhi-1. Writes each row's chunk state: ml[2r] = m,
@@ -146,14 +180,29 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     ml[2 * r + 1] = 0.f;
     std::fill(o + static_cast<int64_t>(r) * D, o + static_cast<int64_t>(r + 1) * D, 0.f);
   }
+  // Pages are scattered, so the hardware prefetcher loses the stream at every page
+  // edge; each block asks for the rows kPrefetchBlocks blocks ahead (the V pass's
+  // first blocks are asked for during the last K blocks). Prefetches change no value.
+  const int64_t row_bytes = static_cast<int64_t>(D) * sizeof(typename E::T);
   for (int jb = jlo; jb < jhi; jb += kBlock) {
     const int n = std::min(kBlock, jhi - jb);
+    prefetch_block(kpool, off, jb - jlo + kPrefetchBlocks * kBlock, jhi - jlo, row_bytes);
+    prefetch_block(vpool, off, jb - jlo + kPrefetchBlocks * kBlock - (jhi - jlo), jhi - jlo, row_bytes);
     widen_rows<E>(kpool, off + (jb - jlo), n, D, s.block.data(), s.zeros.data(), block_rows);
+    // The rows that see a key of this block, kRowBlock at a time.
+    const float* qs[kRowBlock];
+    float* ss[kRowBlock];
+    int nsel = 0;
     for (int r = 0; r < rows; ++r) {
       if (clo[r] >= jb + n || chi[r] <= jb) continue;
-      float* sc = s.scores.data() + r * stride + (jb - jlo);
-      scores16(q32 + static_cast<int64_t>(r) * D, block_rows, D, sc);
-      for (int k = 0; k < n; ++k) sc[k] *= pr.score_sign;  // exact
+      qs[nsel] = q32 + static_cast<int64_t>(r) * D;
+      ss[nsel++] = s.scores.data() + r * stride + (jb - jlo);
+      if (nsel == kRowBlock || r == rows - 1) {
+        scores16_rows(qs, nsel, block_rows, D, ss);
+        for (int i = 0; i < nsel; ++i)
+          for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
+        nsel = 0;
+      }
     }
   }
   // Softmax numerators and denominators, per row, over its visible keys only.
@@ -162,19 +211,33 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     float* sc = s.scores.data() + r * stride + (clo[r] - jlo);  // key clo[r] onwards
     const int n = chi[r] - clo[r];
     const float m = max_of(sc, n);
-    for (int i = 0; i < n; ++i) sc[i] = exp2_nonpositive((sc[i] - m) * pr.qk_scale);
+    exp2_shifted(sc, n, m, pr.qk_scale);
     ml[2 * r] = m;
     ml[2 * r + 1] = lane_sum(sc, clo[r], n);
   }
   // Weighted values, ascending j for every row.
   for (int jb = jlo; jb < jhi; jb += kBlock) {
     const int n = std::min(kBlock, jhi - jb);
+    prefetch_block(vpool, off, jb - jlo + kPrefetchBlocks * kBlock, jhi - jlo, row_bytes);
     widen_rows<E>(vpool, off + (jb - jlo), n, D, s.block.data(), s.zeros.data(), block_rows);
+    // Rows that see the same keys [a, z) of this block share their V loads: gather
+    // them into groups of up to kRowBlock (a causal block has a few distinct spans;
+    // the GQA heads of one position always share theirs).
+    RowGroups groups;
     for (int r = 0; r < rows; ++r) {
       const int a = std::max(clo[r], jb), z = std::min(chi[r], jb + n);
       if (a >= z) continue;
-      weigh(block_rows + (a - jb), s.scores.data() + r * stride + (a - jlo), z - a,
-            o + static_cast<int64_t>(r) * D, D);
+      RowGroups::Group& g = groups.open(a, z);
+      g.p[g.n] = s.scores.data() + r * stride + (a - jlo);
+      g.o[g.n++] = o + static_cast<int64_t>(r) * D;
+      if (g.n == kRowBlock) {
+        weigh_rows(block_rows + (a - jb), g.p, g.n, z - a, g.o, D);
+        g.n = 0;
+      }
+    }
+    for (int i = 0; i < groups.count; ++i) {
+      const RowGroups::Group& g = groups.list[i];
+      if (g.n > 0) weigh_rows(block_rows + (g.a - jb), g.p, g.n, g.z - g.a, g.o, D);
     }
   }
 }
