@@ -16,7 +16,8 @@ trace's Q/K/V is outside it. Figures are only comparable within one run.
 | `decode_tok_s`     | decode positions per second of decode work                        |
 | `requests_s`       | requests finished per second of timed work                        |
 | `decode_step_ms`   | one step's decode group over all layers: median, p95, max         |
-| `peak_kv_bytes`    | most K/V bytes held at once: live pages (paged) or per-request arrays (dense), plus one layer's gathered or repacked batch |
+| `peak_kv_bytes`    | most K/V bytes committed at once: live pages (paged) or the up-front reservations (dense: prompt + max_new_tokens per running request), plus one layer's gathered or repacked batch |
+| `peak_kv_filled_bytes` | the same with dense counting only the positions written so far (its arrays grow by concatenation) |
 | `peak_live_pages`  | most pages live at once (null for dense: it has none)             |
 | `kv_bytes_copied`  | K/V bytes moved besides writing the new rows: copy-on-write, gathers, concatenations, repacks |
 | `page_reuses`      | allocations of a page that had been freed before (null for dense) |
@@ -81,7 +82,7 @@ def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, em
     timed = {"prefill": 0.0, "decode": 0.0, "schedule": 0.0}
     tokens = {"prefill": 0, "decode": 0}
     decode_steps, digests = [], {}
-    peak_kv = peak_waste = 0
+    peak_kv = peak_filled = peak_waste = 0
     while sched.has_work:
         t0 = time.perf_counter()
         step = sched.schedule()
@@ -99,7 +100,8 @@ def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, em
             if kind == "decode":
                 decode_steps.append(elapsed * 1e3)
             _record(digests, group, outs, emit)
-            peak_kv = max(peak_kv, store.kv_bytes() + engine.last_transient_bytes)
+            peak_kv = max(peak_kv, store.held_bytes() + engine.last_transient_bytes)
+            peak_filled = max(peak_filled, store.kv_bytes() + engine.last_transient_bytes)
         peak_waste = max(peak_waste, store.tail_waste_slots())
         t0 = time.perf_counter()
         sched.complete(step)
@@ -115,6 +117,7 @@ def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, em
         "requests_s": len(sched.done) / total,
         "decode_step_ms": _summary(decode_steps),
         "peak_kv_bytes": int(peak_kv),
+        "peak_kv_filled_bytes": int(peak_filled),
         "peak_live_pages": stats.peak_live if paged else None,
         "kv_bytes_copied": int(engine.kv_bytes_copied + (stats.pages_copied * store.pool.bytes_per_page if paged else 0)),
         "page_reuses": stats.reuses if paged else None,
@@ -206,13 +209,14 @@ def table(report: dict) -> str:
         lines.append(f"{key:<18}" + "".join(f"{v[c][key]:>15.1f}" for c in cols))
     lines.append(f"{'decode step ms':<18}" + "".join(
         f"{'%.2f/%.2f' % (v[c]['decode_step_ms']['median'], v[c]['decode_step_ms']['p95']):>15}" for c in cols))
-    for key in ("peak_kv_bytes", "peak_live_pages", "kv_bytes_copied", "page_reuses", "tail_waste_slots",
+    for key in ("peak_kv_bytes", "peak_kv_filled_bytes", "peak_live_pages", "kv_bytes_copied", "page_reuses", "tail_waste_slots",
                 "leaked_pages", "preemptions"):
         lines.append(f"{key:<18}" + "".join(f"{str(v[c][key]):>15}" for c in cols))
     base = v["dense"]
     lines.append(f"{'paged / dense':<18} decode tok/s x{v['paged']['decode_tok_s'] / base['decode_tok_s']:.2f}, "
                  f"requests/s x{v['paged']['requests_s'] / base['requests_s']:.2f}, "
-                 f"peak KV bytes x{v['paged']['peak_kv_bytes'] / base['peak_kv_bytes']:.2f}")
+                 f"peak KV bytes x{v['paged']['peak_kv_bytes'] / base['peak_kv_bytes']:.2f} committed, "
+                 f"x{v['paged']['peak_kv_filled_bytes'] / base['peak_kv_filled_bytes']:.2f} written")
     lines.append("admission sweep (most requests running at once at a fixed KV budget):")
     for row in report["admission_sweep"]:
         lines.append(f"  {row['budget_tokens']:>7} tokens ({row['budget_bytes'] / 2**20:.0f} MiB): " + ", ".join(

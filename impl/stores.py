@@ -44,6 +44,10 @@ class PagedStore:
     def kv_bytes(self) -> int:
         return self.pool.allocator.num_live * self.pool.bytes_per_page
 
+    def held_bytes(self) -> int:
+        """K/V memory committed to requests: the live pages."""
+        return self.kv_bytes()
+
     def leaked_pages(self) -> int:
         """Live pages that no request's block table names."""
         held = {p for c in self.caches.values() for p in c.pages}
@@ -91,6 +95,12 @@ class DenseStore:
 
     def reserved_bytes(self) -> int:
         return sum(self.reserved.values()) * self.bytes_per_token
+
+    def held_bytes(self) -> int:
+        """K/V memory committed to requests: each one's up-front reservation (what a
+        pre-paging server allocates so a request can never run out), at least the
+        bytes its arrays hold."""
+        return max(self.reserved_bytes(), self.kv_bytes())
 
     def leaked_pages(self) -> int:
         return 0  # no pages: a released request's arrays are dropped with it
