@@ -197,12 +197,17 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
       if (clo[r] >= jb + n || chi[r] <= jb) continue;
       qs[nsel] = q32 + static_cast<int64_t>(r) * D;
       ss[nsel++] = s.scores.data() + r * stride + (jb - jlo);
-      if (nsel == kRowBlock || r == rows - 1) {
+      if (nsel == kRowBlock) {
         scores16_rows(qs, nsel, block_rows, D, ss);
         for (int i = 0; i < nsel; ++i)
           for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
         nsel = 0;
       }
+    }
+    if (nsel > 0) {  // the last rows that see this block, fewer than kRowBlock
+      scores16_rows(qs, nsel, block_rows, D, ss);
+      for (int i = 0; i < nsel; ++i)
+        for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;
     }
   }
   // Softmax numerators and denominators, per row, over its visible keys only.
