@@ -47,6 +47,7 @@ AREAS = {
     "test_scheduler_invariants": "invariants 1-10 through the scheduler",
     "test_state_machine": "hypothesis: pool/cache/scheduler state machines",
     "test_model": "mlx-lm Qwen3: paged tokens == dense tokens",
+    "test_mutmut_kills": "mutmut survivors, each killed by a named test",
     "test_plugin": "the --impl plug-in path: oracle passes, broken kernels fail",
 }
 
