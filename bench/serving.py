@@ -38,6 +38,7 @@ import zlib
 import mlx.core as mx
 import numpy as np
 
+from fixtures.serving import scheduled_steps
 from fixtures.trace import Trace
 from impl.engine import VARIANTS, make_engine, step_groups
 from impl.pool import PagePool, pool_copies
@@ -83,10 +84,13 @@ def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, em
     tokens = {"prefill": 0, "decode": 0}
     decode_steps, digests = [], {}
     peak_kv = peak_filled = peak_waste = 0
-    while sched.has_work:
+    steps = scheduled_steps(sched)
+    while True:
         t0 = time.perf_counter()
-        step = sched.schedule()
+        step = next(steps, None)
         timed["schedule"] += time.perf_counter() - t0
+        if step is None:
+            break
         for group in step_groups(step):
             inputs = trace.group_inputs(group)
             mx.eval(inputs)
@@ -169,8 +173,8 @@ def admission_sweep(trace: Trace, fractions=(0.25, 0.5, 1.0)) -> list[dict]:
                     sched.add(Request(rid, prompt, trace.max_new_tokens, output))
                 else:
                     skipped += 1
-            while sched.has_work:
-                sched.complete(sched.schedule())
+            for step in scheduled_steps(sched):
+                sched.complete(step)
             row[variant] = {"peak_running": sched.peak_running, "never_fit": skipped,
                             "preemptions": sum(r.preemptions for r in sched.done)}
         rows.append(row)

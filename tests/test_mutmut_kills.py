@@ -23,7 +23,7 @@ import pytest
 
 import impl
 from fixtures.serving import (assert_same_state, changed_slots, dense_kv, fill_cache, make_pool, pool_rows,
-                              pool_state)
+                              pool_state, scheduled_steps)
 from impl.cache import PagedCache
 from impl.errors import ServingError
 from impl.pool import PagePool
@@ -315,8 +315,7 @@ def test_a_whole_run_step_by_step():
         sched.add(r)
     assert (sched.peak_running, _requests(reqs)) == (0, [(rid, W, 0, 0, 0, -1) for rid in range(3)])
     seen = []
-    while sched.has_work:
-        step = sched.schedule()
+    for step in scheduled_steps(sched):
         finished = sched.complete(step)
         assert not any(w.decode for w in step.prefills) and all(w.decode and w.count == 1 for w in step.decodes)
         seen.append(([(w.request.rid, w.start, w.count) for w in step.prefills],
@@ -344,8 +343,7 @@ def test_the_shortest_requests_run(prompt_len, output_len, plans):
     req = Request(0, prompt_len=prompt_len, max_new_tokens=1, output_len=output_len)
     sched.add(req)
     seen = []
-    while sched.has_work:
-        step = sched.schedule()
+    for step in scheduled_steps(sched):
         seen.append([(w.request.rid, w.start, w.count, w.decode) for w in step.works])
         sched.complete(step)
     assert seen == plans

@@ -12,7 +12,7 @@ import pytest
 
 import impl.engine
 from bench.serving import run_variant
-from fixtures.serving import make_pool
+from fixtures.serving import make_pool, scheduled_steps
 from fixtures.trace import SMALL
 from impl.errors import ServingError
 from impl.scheduler import Request, Scheduler, State
@@ -43,8 +43,7 @@ def test_chunked_prefill_then_one_decode_per_step():
     sched, store = scheduler(12)
     sched.add(Request(0, prompt_len=10, max_new_tokens=3))
     plans = []
-    while sched.has_work:
-        step = sched.schedule()
+    for step in scheduled_steps(sched):
         plans.append(plan(step))
         sched.complete(step)
     assert plans == [([(0, 0, 4, False)], []), ([(0, 4, 4, False)], []), ([(0, 8, 2, False)], []),
@@ -102,8 +101,8 @@ def test_finished_and_aborted_requests_free_their_pages():
         sched.abort(0)                                      # not while a step is in flight
     assert e.value.clause == "request"
     sched.complete(step)
-    while sched.has_work:
-        sched.complete(sched.schedule())
+    for step in scheduled_steps(sched):
+        sched.complete(step)
     assert {r.rid: r.state for r in sched.done} == {0: State.FINISHED, 1: State.ABORTED,
                                                     2: State.FINISHED, 3: State.ABORTED}
     assert (store.caches, store.pool.stats().live, store.leaked_pages()) == ({}, 0, 0)

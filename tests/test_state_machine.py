@@ -273,12 +273,14 @@ class PoolMachine(RuleBasedStateMachine):
         pool = self.pool
         h = self._add(PagedCache(pool))
         c = self.live[h]
-        while True:
+        for _ in range(pool.num_pages * pool.page_size + 1):  # each write adds >= 1 position
             n = data.draw(st.integers(1, 2 * pool.page_size), label="chunk")
             if self._need(c, n)[0] > pool.stats().free:
                 self._refused(lambda: fill_cache(c, n), PoolExhausted, "pool_exhausted")
                 break
             self._write(h, n)
+        else:
+            raise AssertionError("appends never exhausted the pool: pages are not being allocated")
         self._refused(lambda: pool.allocate(pool.stats().free + 1), PoolExhausted, "pool_exhausted")
         for x in self.live.values():
             big = (len(x.pages) + pool.stats().free + 1) * pool.page_size - x.length
