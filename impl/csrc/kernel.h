@@ -193,22 +193,19 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     const float* qs[kRowBlock];
     float* ss[kRowBlock];
     int nsel = 0;
+    const auto score_selected = [&] {
+      scores16_rows(qs, nsel, block_rows, D, ss);
+      for (int i = 0; i < nsel; ++i)
+        for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
+      nsel = 0;
+    };
     for (int r = 0; r < rows; ++r) {
       if (clo[r] >= jb + n || chi[r] <= jb) continue;
       qs[nsel] = q32 + static_cast<int64_t>(r) * D;
       ss[nsel++] = s.scores.data() + r * stride + (jb - jlo);
-      if (nsel == kRowBlock) {
-        scores16_rows(qs, nsel, block_rows, D, ss);
-        for (int i = 0; i < nsel; ++i)
-          for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
-        nsel = 0;
-      }
+      if (nsel == kRowBlock) score_selected();
     }
-    if (nsel > 0) {  // the last rows that see this block, fewer than kRowBlock
-      scores16_rows(qs, nsel, block_rows, D, ss);
-      for (int i = 0; i < nsel; ++i)
-        for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;
-    }
+    if (nsel > 0) score_selected();  // the last rows that see this block, fewer than kRowBlock
   }
   // Softmax numerators and denominators, per row, over its visible keys only.
   for (int r = 0; r < rows; ++r) {
@@ -229,20 +226,20 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     // them into groups of up to kRowBlock (a causal block has a few distinct spans;
     // the GQA heads of one position always share theirs).
     RowGroups groups;
+    const auto weigh_group = [&](RowGroups::Group& g) {
+      weigh_rows(block_rows + (g.a - jb), g.p, g.n, g.z - g.a, g.o, D);
+      g.n = 0;
+    };
     for (int r = 0; r < rows; ++r) {
       const int a = std::max(clo[r], jb), z = std::min(chi[r], jb + n);
       if (a >= z) continue;
       RowGroups::Group& g = groups.open(a, z);
       g.p[g.n] = s.scores.data() + r * stride + (a - jlo);
       g.o[g.n++] = o + static_cast<int64_t>(r) * D;
-      if (g.n == kRowBlock) {
-        weigh_rows(block_rows + (a - jb), g.p, g.n, z - a, g.o, D);
-        g.n = 0;
-      }
+      if (g.n == kRowBlock) weigh_group(g);
     }
     for (int i = 0; i < groups.count; ++i) {
-      const RowGroups::Group& g = groups.list[i];
-      if (g.n > 0) weigh_rows(block_rows + (g.a - jb), g.p, g.n, g.z - g.a, g.o, D);
+      if (groups.list[i].n > 0) weigh_group(groups.list[i]);
     }
   }
 }
