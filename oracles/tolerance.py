@@ -43,15 +43,14 @@ def max_abs_error(out, ref) -> float:
     return float(diff.max()) if np.isfinite(diff).all() else float("inf")
 
 
-def allowed_error(dtype, ref, sdpa_error: float, value_scale: float) -> float:
-    ref_scale = float(np.abs(ref).max()) if np.size(ref) else 0.0
-    return (SDPA_RATIO * sdpa_error + UNIT_ROUNDOFF[dtype] * ref_scale
-            + F32_SLACK * UNIT_ROUNDOFF[mx.float32] * value_scale)
-
-
 def ref_scale(ref) -> float:
-    """max |ref|: the denominator of the (normwise) relative error."""
+    """max |ref|: the rounding floor's scale and the relative error's denominator."""
     return float(np.abs(np.asarray(ref, dtype=np.float64)).max()) if np.size(ref) else 0.0
+
+
+def allowed_error(dtype, ref, sdpa_error: float, value_scale: float) -> float:
+    return (SDPA_RATIO * sdpa_error + UNIT_ROUNDOFF[dtype] * ref_scale(ref)
+            + F32_SLACK * UNIT_ROUNDOFF[mx.float32] * value_scale)
 
 
 @dataclass(frozen=True)
