@@ -10,7 +10,7 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, settings
 
-# --- hypothesis profiles (tests/test_properties.py, tests/test_state_machine.py) ---------
+# --- hypothesis profiles (tests/test_properties.py, tests/test_*_machine.py) ---------
 # "ci" (default): fixed examples (derandomize) and no example database, so runs are
 # reproducible. "thorough": random and many more examples; each state machine runs
 # max_examples x stateful_step_count >= 10^4 steps; tests/test_properties.py runs 4 x

@@ -45,9 +45,11 @@ AREAS = {
     "test_serving_invariants": "serving invariants 1, 3, 4, 5, 10",
     "test_scheduler": "scheduler: admission, preemption, variants agree",
     "test_scheduler_invariants": "invariants 1-10 through the scheduler",
-    "test_state_machine": "hypothesis: pool/cache/scheduler state machines",
+    "test_pool_machine": "hypothesis: pool and cache state machine",
+    "test_scheduler_machine": "hypothesis: scheduler state machine",
     "test_model": "mlx-lm Qwen3: paged tokens == dense tokens",
-    "test_mutmut_kills": "mutmut survivors, each killed by a named test",
+    "test_mutmut_kills": "mutmut survivors in the serving core, each killed by name",
+    "test_mutmut_kills_contract": "mutmut survivors in validation, each killed by name",
     "test_plugin": "the --impl plug-in path: oracle passes, broken kernels fail",
 }
 
@@ -93,10 +95,10 @@ def build(impl, recorder, exitstatus) -> Doc:
     by_area = collections.defaultdict(collections.Counter)
     for o in outcomes:
         by_area[_area(o.nodeid)][o.outcome] += 1
+    rank = {a: i for i, a in enumerate(AREAS)}  # AREAS order first, unknown areas after, by name
     areas = Section("Checks by area", table=(["area", "what", "passed", "failed", "skipped"], [
         [a, AREAS.get(a, ""), str(c["passed"]), str(c["failed"]), str(c["skipped"])]
-        for a, c in sorted(by_area.items(), key=lambda kv: (kv[0] not in AREAS, list(AREAS).index(kv[0])
-                                                              if kv[0] in AREAS else 0, kv[0]))]))
+        for a, c in sorted(by_area.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))]))
     fails = [o for o in outcomes if o.outcome == "failed"]
     failures = Section("Failures", ["none"] if not fails else [], None if not fails else (
         ["check", "contract clause", "message"],
