@@ -110,7 +110,9 @@ def render(report: dict) -> str:
         out += ["", f"Serving ({s['trace_name']}, {s['trace']['requests']} requests, outputs agree bit for bit): "
                 f"paged / dense decode tok/s {r['decode_tok_s']:.2f}x (paged_gather {r['paged_gather_decode_tok_s']:.2f}x), "
                 f"prefill tok/s {r['prefill_tok_s']:.2f}x, requests/s {r['requests_s']:.2f}x, peak KV bytes "
-                f"{r['peak_kv_bytes']:.2f}x; decode step median paged {v['paged']['decode_step_ms']['median']:.1f} ms, "
+                f"{r['peak_kv_bytes']:.2f}x against dense static slots of {s['trace']['max_seq_len']} positions "
+                f"({r['peak_kv_fitted_bytes']:.2f}x against dense reserving exactly prompt + output cap, "
+                f"{r['peak_kv_filled_bytes']:.2f}x against the positions dense has written); decode step median paged {v['paged']['decode_step_ms']['median']:.1f} ms, "
                 f"dense {v['dense']['decode_step_ms']['median']:.1f} ms."]
     skipped = collections.Counter((c["path"], c["skipped"]) for c in cases if "skipped" in c)
     if skipped:

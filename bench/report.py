@@ -80,7 +80,8 @@ def serving_section(level: str) -> dict:
     v = out["variants"]
     out["trace_name"] = f"{'default' if level == 'full' else 'quick'} trace {out['trace']['digest']}"
     out["ratios"] = {key: v["paged"][key] / v["dense"][key] for key in
-                     ("decode_tok_s", "prefill_tok_s", "requests_s", "peak_kv_bytes")}
+                     ("decode_tok_s", "prefill_tok_s", "requests_s", "peak_kv_bytes", "peak_kv_fitted_bytes",
+                      "peak_kv_filled_bytes")}
     out["ratios"]["paged_gather_decode_tok_s"] = v["paged_gather"]["decode_tok_s"] / v["dense"]["decode_tok_s"]
     out["table"] = serving.table(out)
     return out

@@ -16,7 +16,8 @@ trace's Q/K/V is outside it. Figures are only comparable within one run.
 | `decode_tok_s`     | decode positions per second of decode work                        |
 | `requests_s`       | requests finished per second of timed work                        |
 | `decode_step_ms`   | one step's decode group over all layers: median, p95, max         |
-| `peak_kv_bytes`    | most K/V bytes committed at once: live pages (paged) or the up-front reservations (dense: prompt + max_new_tokens per running request), plus one layer's gathered or repacked batch |
+| `peak_kv_bytes`    | most K/V bytes committed at once: live pages (paged) or the up-front slots (dense: `max_seq_len` = longest prompt + output cap of the trace, per running request, as serving before paging), plus one layer's gathered or repacked batch |
+| `peak_kv_fitted_bytes` | the same with dense reserving only prompt + max_new_tokens per request (a dense server that knows each request's bound) |
 | `peak_kv_filled_bytes` | the same with dense counting only the positions written so far (its arrays grow by concatenation) |
 | `peak_live_pages`  | most pages live at once (null for dense: it has none)             |
 | `kv_bytes_copied`  | K/V bytes moved besides writing the new rows: copy-on-write, gathers, concatenations, repacks |
@@ -52,7 +53,7 @@ QUICK = Trace(num_requests=8, prompt_range=(64, 512), output_range=(16, 64), lay
 def make_store(trace: Trace, variant: str, budget_tokens: int, **pool_options):
     if variant == "dense":
         return DenseStore(num_layers=trace.layers, kv_heads=trace.kv_heads, head_dim=trace.head_dim,
-                          dtype=trace.mx_dtype, budget_tokens=budget_tokens)
+                          dtype=trace.mx_dtype, budget_tokens=budget_tokens, slot_tokens=trace.max_seq_len)
     pool = PagePool(num_layers=trace.layers, kv_heads=trace.kv_heads, head_dim=trace.head_dim,
                     page_size=trace.page_size, dtype=trace.mx_dtype, num_pages=budget_tokens // trace.page_size,
                     **pool_options)
@@ -83,7 +84,7 @@ def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, em
     timed = {"prefill": 0.0, "decode": 0.0, "schedule": 0.0}
     tokens = {"prefill": 0, "decode": 0}
     decode_steps, digests = [], {}
-    peak_kv = peak_filled = peak_waste = 0
+    peak_kv = peak_fitted = peak_filled = peak_waste = 0
     steps = scheduled_steps(sched)
     while True:
         t0 = time.perf_counter()
@@ -105,6 +106,7 @@ def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, em
                 decode_steps.append(elapsed * 1e3)
             _record(digests, group, outs, emit)
             peak_kv = max(peak_kv, store.held_bytes() + engine.last_transient_bytes)
+            peak_fitted = max(peak_fitted, store.fitted_bytes() + engine.last_transient_bytes)
             peak_filled = max(peak_filled, store.kv_bytes() + engine.last_transient_bytes)
         peak_waste = max(peak_waste, store.tail_waste_slots())
         t0 = time.perf_counter()
@@ -121,6 +123,7 @@ def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, em
         "requests_s": len(sched.done) / total,
         "decode_step_ms": _summary(decode_steps),
         "peak_kv_bytes": int(peak_kv),
+        "peak_kv_fitted_bytes": int(peak_fitted),
         "peak_kv_filled_bytes": int(peak_filled),
         "peak_live_pages": stats.peak_live if paged else None,
         "kv_bytes_copied": int(engine.kv_bytes_copied + (stats.pages_copied * store.pool.bytes_per_page if paged else 0)),
@@ -198,7 +201,7 @@ def run(trace: Trace) -> dict:
                                  f"(request, layer, position)")
         results[variant] = metrics
     return {"trace": {**trace.describe(), "digest": trace.digest(), "requests": len(trace.requests()),
-                      "budget_tokens": default_budget(trace)},
+                      "budget_tokens": default_budget(trace), "max_seq_len": trace.max_seq_len},
             "outputs_agree": True, "positions_checked": len(reference),
             "variants": results, "admission_sweep": admission_sweep(trace)}
 
@@ -213,14 +216,15 @@ def table(report: dict) -> str:
         lines.append(f"{key:<18}" + "".join(f"{v[c][key]:>15.1f}" for c in cols))
     lines.append(f"{'decode step ms':<18}" + "".join(
         f"{'%.2f/%.2f' % (v[c]['decode_step_ms']['median'], v[c]['decode_step_ms']['p95']):>15}" for c in cols))
-    for key in ("peak_kv_bytes", "peak_kv_filled_bytes", "peak_live_pages", "kv_bytes_copied", "page_reuses", "tail_waste_slots",
+    for key in ("peak_kv_bytes", "peak_kv_fitted_bytes", "peak_kv_filled_bytes", "peak_live_pages", "kv_bytes_copied", "page_reuses", "tail_waste_slots",
                 "leaked_pages", "preemptions"):
         lines.append(f"{key:<18}" + "".join(f"{str(v[c][key]):>15}" for c in cols))
     base = v["dense"]
     lines.append(f"{'paged / dense':<18} decode tok/s x{v['paged']['decode_tok_s'] / base['decode_tok_s']:.2f}, "
                  f"requests/s x{v['paged']['requests_s'] / base['requests_s']:.2f}, "
-                 f"peak KV bytes x{v['paged']['peak_kv_bytes'] / base['peak_kv_bytes']:.2f} committed, "
-                 f"x{v['paged']['peak_kv_filled_bytes'] / base['peak_kv_filled_bytes']:.2f} written")
+                 f"peak KV bytes x{v['paged']['peak_kv_bytes'] / base['peak_kv_bytes']:.2f} committed "
+                 f"(x{v['paged']['peak_kv_fitted_bytes'] / base['peak_kv_fitted_bytes']:.2f} against fitted dense "
+                 f"reservations, x{v['paged']['peak_kv_filled_bytes'] / base['peak_kv_filled_bytes']:.2f} written)")
     lines.append("admission sweep (most requests running at once at a fixed KV budget):")
     for row in report["admission_sweep"]:
         lines.append(f"  {row['budget_tokens']:>7} tokens ({row['budget_bytes'] / 2**20:.0f} MiB): " + ", ".join(

@@ -3,7 +3,12 @@
 | store         | admission holds room for          | grows by                     | when full           |
 |---------------|-----------------------------------|------------------------------|---------------------|
 | `PagedStore`  | the prompt's pages (plus what running prefills still need) | a page when the tail is full | `PoolExhausted` -> preemption |
-| `DenseStore`  | prompt + max_new_tokens positions, reserved up front (serving before paging) | concatenation, every step | never (reserved) |
+| `DenseStore`  | a static slot of `slot_tokens` positions (serving before paging), or prompt + max_new_tokens when no slot size is set | concatenation, every step | never (reserved) |
+
+Serving before paging kept a `[max_batch, max_seq_len]` K/V cache: every admitted request
+took a slot of the model's maximum sequence length, whatever its prompt and output turn
+out to be. `slot_tokens=None` is a kinder dense server that knows each request's bound and
+reserves exactly prompt + max_new_tokens; `fitted_bytes()` reports that figure either way.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ class PagedStore:
         """K/V memory committed to requests: the live pages."""
         return self.kv_bytes()
 
+    def fitted_bytes(self) -> int:
+        return self.kv_bytes()  # pages are already fitted to what is written
+
     def leaked_pages(self) -> int:
         """Live pages that no request's block table names."""
         held = {p for c in self.caches.values() for p in c.pages}
@@ -57,24 +65,34 @@ class PagedStore:
 class DenseStore:
     """Per-request dense K/V (`[Hkv, S, D]` per layer), grown by concatenation."""
 
-    def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, dtype, budget_tokens: int):
+    def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, dtype, budget_tokens: int,
+                 slot_tokens: int | None = None):
         if budget_tokens < 1:
             raise ServingError("capacity", f"budget_tokens must be >= 1, got {budget_tokens}")
+        if slot_tokens is not None and slot_tokens < 1:
+            raise ServingError("capacity", f"slot_tokens must be >= 1 or None, got {slot_tokens}")
+        self.slot_tokens = slot_tokens
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
         self.budget_tokens = budget_tokens
         self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * dtype.size
-        self.reserved: dict[int, int] = {}
+        self.reserved: dict[int, int] = {}         # rid -> positions held for it
+        self.bounds: dict[int, int] = {}           # rid -> prompt + max_new_tokens
         self.lengths: dict[int, int] = {}
         self.kv: dict[int, list[list]] = {}        # rid -> per layer [keys, values] or None
 
+    def _reservation(self, req) -> int:
+        return self.slot_tokens if self.slot_tokens is not None else req.prompt_len + req.max_new_tokens
+
     def could_ever_hold(self, req) -> bool:
-        return req.prompt_len + req.max_new_tokens <= self.budget_tokens
+        bound = req.prompt_len + req.max_new_tokens
+        return bound <= self._reservation(req) <= self.budget_tokens
 
     def can_admit(self, req, running) -> bool:
-        return sum(self.reserved.values()) + req.prompt_len + req.max_new_tokens <= self.budget_tokens
+        return sum(self.reserved.values()) + self._reservation(req) <= self.budget_tokens
 
     def admit(self, req) -> None:
-        self.reserved[req.rid] = req.prompt_len + req.max_new_tokens
+        self.reserved[req.rid] = self._reservation(req)
+        self.bounds[req.rid] = req.prompt_len + req.max_new_tokens
         self.lengths[req.rid] = 0
         self.kv[req.rid] = [[None, None] for _ in range(self.num_layers)]
 
@@ -84,7 +102,7 @@ class DenseStore:
         self.lengths[req.rid] += n
 
     def release(self, req) -> None:
-        for d in (self.reserved, self.lengths, self.kv):
+        for d in (self.reserved, self.bounds, self.lengths, self.kv):
             d.pop(req.rid)
 
     def tail_waste_slots(self) -> int:
@@ -101,6 +119,10 @@ class DenseStore:
         pre-paging server allocates so a request can never run out), at least the
         bytes its arrays hold."""
         return max(self.reserved_bytes(), self.kv_bytes())
+
+    def fitted_bytes(self) -> int:
+        """What the reservations would be if each were exactly prompt + max_new_tokens."""
+        return max(sum(self.bounds.values()) * self.bytes_per_token, self.kv_bytes())
 
     def leaked_pages(self) -> int:
         return 0  # no pages: a released request's arrays are dropped with it

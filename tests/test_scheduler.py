@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -14,9 +15,9 @@ import impl.engine
 from bench.serving import run_variant
 from fixtures.serving import make_pool, scheduled_steps
 from fixtures.trace import SMALL
-from impl.errors import ServingError
+from impl.errors import PoolExhausted, ServingError
 from impl.scheduler import Request, Scheduler, State
-from impl.stores import PagedStore
+from impl.stores import DenseStore, PagedStore
 
 pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("pagecheck's own page pool, cache and scheduler")]
 
@@ -169,3 +170,47 @@ def test_metadata_is_built_once_per_group_not_per_layer(monkeypatch, variant, bu
         if layers == 1:
             one_layer = calls["build"]
     assert calls["build"] == one_layer, "metadata must not be rebuilt per layer"
+
+
+def dense_store(budget_tokens, slot_tokens):
+    return DenseStore(num_layers=2, kv_heads=2, head_dim=4, dtype=mx.float32, budget_tokens=budget_tokens,
+                      slot_tokens=slot_tokens)
+
+
+def dense_state(store):
+    return (dict(store.reserved), dict(store.bounds), dict(store.lengths), store.held_bytes(),
+            store.fitted_bytes(), store.tail_waste_slots())
+
+
+def test_dense_static_slots_reserve_the_slot_and_report_the_fitted_bound():
+    store = dense_store(budget_tokens=100, slot_tokens=40)
+    per_token = 2 * 2 * 2 * 4 * 4  # K and V, layers, heads, D, float32
+    a, b, c = Request(0, 10, 5), Request(1, 20, 10), Request(2, 35, 6)
+    assert (store.could_ever_hold(a), store.could_ever_hold(c)) == (True, False)  # 41 > slot of 40
+    store.admit(a)
+    store.reserve(a, 12)
+    assert store.can_admit(b, [])
+    store.admit(b)
+    assert not store.can_admit(Request(3, 1, 1), [])  # 3 slots of 40 > 100, however small
+    assert dense_state(store) == ({0: 40, 1: 40}, {0: 15, 1: 30}, {0: 12, 1: 0}, 80 * per_token,
+                                  45 * per_token, 28 + 40)
+    before = dense_state(store)
+    with pytest.raises(PoolExhausted, match="outgrew its dense reservation of 40"):
+        store.reserve(a, 29)
+    assert dense_state(store) == before
+    store.release(a)
+    assert dense_state(store) == ({1: 40}, {1: 30}, {1: 0}, 40 * per_token, 30 * per_token, 40)
+
+
+def test_dense_without_slots_reserves_prompt_plus_cap():
+    store = dense_store(budget_tokens=50, slot_tokens=None)
+    a, b = Request(0, 10, 5), Request(1, 30, 6)
+    store.admit(a)
+    assert store.could_ever_hold(b) and store.can_admit(b, []) is False  # 15 + 36 > 50
+    assert dense_state(store)[:2] == ({0: 15}, {0: 15}) and store.held_bytes() == store.fitted_bytes()
+
+
+@pytest.mark.parametrize("slot", [0, -3])
+def test_dense_slot_size_must_be_positive(slot):
+    with pytest.raises(ServingError, match=f"slot_tokens must be >= 1 or None, got {slot}"):
+        dense_store(budget_tokens=10, slot_tokens=slot)
