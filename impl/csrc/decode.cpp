@@ -1,11 +1,14 @@
 // Decode schedule (L <= 8): split the context into chunks, attend every chunk in
 // parallel, then merge each row's chunk states in ascending chunk order.
 //
-// Work item: (request b, KV head g, chunk c). It owns all L * G query rows of the
-// group, so each K/V row is loaded from memory once and used by every query head
-// that shares it (GQA). Chunk states land in a per-task slot; the merge pass reads a
-// group's slots in ascending c, so neither the thread count nor the other requests
-// can change the order of any floating-point operation.
+// Work item: (request b, chunk c, a run of consecutive KV heads). It owns all L * G
+// query rows of each of its heads, so each K/V row is loaded from memory once and used
+// by every query head that shares it (GQA), and it walks each page's heads in address
+// order, so it streams whole pages rather than one head's slice of each (all KV heads
+// per item; fewer only when there would be too few items to keep the threads busy).
+// Chunk states land in a per-(b, c, g) slot; the merge pass reads a (b, g)'s slots in
+// ascending c, so neither the thread count, the head runs nor the other requests can
+// change the order of any floating-point operation.
 #include "kernel.h"
 #include "thread_pool.h"
 
@@ -14,56 +17,80 @@ namespace pagecheck {
 namespace {
 
 struct ChunkTask {
-  int b, g, c;
+  int b, c, g0, heads;
+  int64_t slot;  // state slot of (b, c, g0); the item's heads follow it
 };
 
 struct MergeGroup {
-  int64_t first_task;
+  int64_t first_slot;  // slot of (b, first chunk, g); the next chunk is Hkv slots on
   int chunks;
   int b, g;
 };
+
+// KV heads per work item: all of them, halved while the items would number fewer
+// than four per thread (small batches with short contexts).
+int heads_per_task(int64_t chunk_items, int Hkv) {
+  int heads = Hkv;
+  const int64_t want = 4 * static_cast<int64_t>(num_threads());
+  while (heads > 1 && chunk_items * ((Hkv + heads - 1) / heads) < want) heads = (heads + 1) / 2;
+  return heads;
+}
 
 }  // namespace
 
 template <class E>
 void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
                 const typename E::T* vpool, typename E::T* out, const std::vector<int>& live) {
-  const int G = pr.group(), L = pr.L, D = pr.D, R = G * L;
-  std::vector<ChunkTask> tasks;
-  std::vector<MergeGroup> groups;
-  for (int b : live) {
-    const int ctx = pr.context(b);
+  const int G = pr.group(), L = pr.L, D = pr.D, R = G * L, Hkv = pr.Hkv;
+  std::vector<int> c_first(live.size()), c_count(live.size());
+  int64_t chunk_items = 0;
+  for (size_t i = 0; i < live.size(); ++i) {
+    const int ctx = pr.context(live[i]);
     int first_lo, unused, last_lo, last_hi;
     pr.span(ctx, 0, first_lo, unused);  // spans move right with l: row 0 starts first,
     pr.span(ctx, L - 1, last_lo, last_hi);  // row L-1 ends last
-    const int c_first = first_lo / kChunk, c_last = (last_hi - 1) / kChunk;
-    for (int g = 0; g < pr.Hkv; ++g) {
-      groups.push_back({static_cast<int64_t>(tasks.size()), c_last - c_first + 1, b, g});
-      for (int c = c_first; c <= c_last; ++c) tasks.push_back({b, g, c});
+    c_first[i] = first_lo / kChunk;
+    c_count[i] = (last_hi - 1) / kChunk - c_first[i] + 1;
+    chunk_items += c_count[i];
+  }
+  const int run = heads_per_task(chunk_items, Hkv);
+  std::vector<ChunkTask> tasks;
+  std::vector<MergeGroup> groups;
+  int64_t slots = 0;
+  for (size_t i = 0; i < live.size(); ++i) {
+    for (int g = 0; g < Hkv; ++g) groups.push_back({slots + g, c_count[i], live[i], g});
+    for (int c = 0; c < c_count[i]; ++c) {
+      for (int g0 = 0; g0 < Hkv; g0 += run) {
+        tasks.push_back({live[i], c_first[i] + c, g0, std::min(run, Hkv - g0), slots + g0});
+      }
+      slots += Hkv;
     }
   }
-  std::vector<float> part_ml(tasks.size() * R * 2), part_o(tasks.size() * R * D);
+  std::vector<float> part_ml(slots * R * 2), part_o(slots * R * D);
 
   parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
     const ChunkTask& task = tasks[t];
+    const int rows = task.heads * R;
     Scratch& s = Scratch::local();
-    s.reserve(R, D);
+    s.reserve(rows, D);
     const int ctx = pr.context(task.b);
-    for (int hg = 0; hg < G; ++hg) {
-      for (int l = 0; l < L; ++l) {
-        const int r = hg * L + l;
-        s.heads[r] = task.g * G + hg;
-        s.positions[r] = l;
-        pr.span(ctx, l, s.lo[r], s.hi[r]);
+    for (int h = 0; h < task.heads; ++h) {
+      for (int hg = 0; hg < G; ++hg) {
+        for (int l = 0; l < L; ++l) {
+          const int r = (h * G + hg) * L + l;
+          s.heads[r] = (task.g0 + h) * G + hg;
+          s.positions[r] = l;
+          pr.span(ctx, l, s.lo[r], s.hi[r]);
+        }
       }
     }
     int jlo, jhi;
-    clip_to_chunk(task.c, R, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
-    load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), R, s.q32.data());
-    resolve_rows(pr, task.b, task.g, jlo, jhi, s.off.data());
-    attend_chunk<E>(pr, kpool, vpool, s.off.data(), jlo, jhi, s.q32.data(), R, s.clo.data(),
-                    s.chi.data(), s, part_ml.data() + t * R * 2,
-                    part_o.data() + t * R * D);
+    clip_to_chunk(task.c, rows, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
+    load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), rows, s.q32.data());
+    resolve_rows(pr, task.b, task.g0, jlo, jhi, s.off.data());
+    attend_chunk<E>(pr, kpool, vpool, s.off.data(), jlo, jhi, s.q32.data(), rows, task.heads,
+                    s.clo.data(), s.chi.data(), s, part_ml.data() + task.slot * R * 2,
+                    part_o.data() + task.slot * R * D);
   });
 
   parallel_for(static_cast<int64_t>(groups.size()), [&](int64_t gi) {
@@ -74,7 +101,7 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
       float m = kNegInf, l = 0.f;
       float* o = s.acc_o.data();
       for (int c = 0; c < group.chunks; ++c) {
-        const int64_t slot = (group.first_task + c) * R + r;
+        const int64_t slot = (group.first_slot + static_cast<int64_t>(c) * Hkv) * R + r;
         merge_state(m, l, o, part_ml[2 * slot], part_ml[2 * slot + 1], part_o.data() + slot * D, D,
                     pr.qk_scale);
       }

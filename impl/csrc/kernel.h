@@ -161,35 +161,58 @@ inline void prefetch_block(const T* pool, const int64_t* off, int first, int n, 
   }
 }
 
-// Attention of `rows` query rows over the keys of one chunk. clo/chi: each row's visible
-// keys clipped to the chunk (clo >= chi: none); [jlo, jhi): their union; off: the K/V
-// row offsets of keys jlo .. jhi-1. Writes each row's chunk state: ml[2r] = m,
-// ml[2r+1] = l (0 when the row sees no key here), o[r*D ...]. K/V come in blocks of 16
-// keys so a block is loaded (and widened) once for all rows of the GQA group. Keys a
-// row cannot see are never used, and keys outside [jlo, jhi) never read: their slots
-// may hold NaN (REFERENCE.md invariant 9).
+// Calls visit(h, jb, n) for every head h < heads and every block [jb, jb + n) of at most
+// kBlock keys of [jlo, jhi), in the pool's address order (a page is [Hkv, page_size, D]):
+// page by page, and within a page head by head, so a call streams whole pages rather
+// than one head's slice of each (too short for the hardware prefetcher). Pages smaller
+// than a block are not worth splitting at: then the blocks run over the whole range,
+// heads innermost. Every head still sees its keys in ascending order.
+template <class Visit>
+inline void for_blocks(const Problem& pr, int jlo, int jhi, int heads, Visit&& visit) {
+  const int ps = pr.page_size;
+  for (int s0 = jlo; s0 < jhi;) {
+    const int s1 = ps >= kBlock ? std::min(jhi, (s0 / ps + 1) * ps) : jhi;
+    if (ps >= kBlock) {
+      for (int h = 0; h < heads; ++h)
+        for (int jb = s0; jb < s1; jb += kBlock) visit(h, jb, std::min(kBlock, s1 - jb));
+    } else {
+      for (int jb = s0; jb < s1; jb += kBlock)
+        for (int h = 0; h < heads; ++h) visit(h, jb, std::min(kBlock, s1 - jb));
+    }
+    s0 = s1;
+  }
+}
+
+// Attention of `rows` query rows over the keys of one chunk, for `heads` consecutive KV
+// heads: rows [h * rows / heads, (h + 1) * rows / heads) read KV head h (counted from
+// the head `off` points at). clo/chi: each row's visible keys clipped to the chunk
+// (clo >= chi: none); [jlo, jhi): their union; off: the K/V row offsets of keys
+// jlo .. jhi-1 of the first head. Writes each row's chunk state: ml[2r] = m,
+// ml[2r+1] = l (0 when the row sees no key here), o[r*D ...]. K/V come in blocks of up
+// to 16 keys (for_blocks) so a block is loaded (and widened) once for all rows of the
+// GQA group. Keys a row cannot see are never used, and keys outside [jlo, jhi) never
+// read: their slots may hold NaN (REFERENCE.md invariant 9).
 template <class E>
 void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename E::T* vpool,
-                  const int64_t* off, int jlo, int jhi, const float* q32, int rows,
+                  const int64_t* off, int jlo, int jhi, const float* q32, int rows, int heads,
                   const int* clo, const int* chi, Scratch& s, float* ml, float* o) {
-  const int D = pr.D;
+  const int D = pr.D, per_head = rows / heads;
   const int64_t stride = Scratch::kScoreStride;
+  const int64_t head_stride = static_cast<int64_t>(pr.page_size) * D;  // one head's slice of a page
   const float* block_rows[kBlock];
   for (int r = 0; r < rows; ++r) {
     ml[2 * r] = kNegInf;
     ml[2 * r + 1] = 0.f;
     std::fill(o + static_cast<int64_t>(r) * D, o + static_cast<int64_t>(r + 1) * D, 0.f);
   }
-  // Pages are scattered, so the hardware prefetcher loses the stream at every page
-  // edge; each block asks for the rows kPrefetchBlocks blocks ahead (the V pass's
-  // first blocks are asked for during the last K blocks). Prefetches change no value.
+  // Each block asks for the same head's rows kPrefetchBlocks blocks on, which may lie
+  // in a page the hardware prefetcher cannot guess. Prefetches change no value.
   const int64_t row_bytes = static_cast<int64_t>(D) * sizeof(typename E::T);
-  for (int jb = jlo; jb < jhi; jb += kBlock) {
-    const int n = std::min(kBlock, jhi - jb);
-    prefetch_block(kpool, off, jb - jlo + kPrefetchBlocks * kBlock, jhi - jlo, row_bytes);
-    prefetch_block(vpool, off, jb - jlo + kPrefetchBlocks * kBlock - (jhi - jlo), jhi - jlo, row_bytes);
-    widen_rows<E>(kpool, off + (jb - jlo), n, D, s.block.data(), s.zeros.data(), block_rows);
-    // The rows that see a key of this block, kRowBlock at a time.
+  for_blocks(pr, jlo, jhi, heads, [&](int h, int jb, int n) {
+    const typename E::T* kh = kpool + h * head_stride;
+    prefetch_block(kh, off, jb - jlo + kPrefetchBlocks * kBlock, jhi - jlo, row_bytes);
+    widen_rows<E>(kh, off + (jb - jlo), n, D, s.block.data(), s.zeros.data(), block_rows);
+    // The rows of this head that see a key of this block, kRowBlock at a time.
     const float* qs[kRowBlock];
     float* ss[kRowBlock];
     int nsel = 0;
@@ -199,14 +222,14 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
         for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
       nsel = 0;
     };
-    for (int r = 0; r < rows; ++r) {
+    for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
       if (clo[r] >= jb + n || chi[r] <= jb) continue;
       qs[nsel] = q32 + static_cast<int64_t>(r) * D;
       ss[nsel++] = s.scores.data() + r * stride + (jb - jlo);
       if (nsel == kRowBlock) score_selected();
     }
     if (nsel > 0) score_selected();  // the last rows that see this block, fewer than kRowBlock
-  }
+  });
   // Softmax numerators and denominators, per row, over its visible keys only.
   for (int r = 0; r < rows; ++r) {
     if (clo[r] >= chi[r]) continue;
@@ -218,10 +241,10 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     ml[2 * r + 1] = lane_sum(sc, clo[r], n);
   }
   // Weighted values, ascending j for every row.
-  for (int jb = jlo; jb < jhi; jb += kBlock) {
-    const int n = std::min(kBlock, jhi - jb);
-    prefetch_block(vpool, off, jb - jlo + kPrefetchBlocks * kBlock, jhi - jlo, row_bytes);
-    widen_rows<E>(vpool, off + (jb - jlo), n, D, s.block.data(), s.zeros.data(), block_rows);
+  for_blocks(pr, jlo, jhi, heads, [&](int h, int jb, int n) {
+    const typename E::T* vh = vpool + h * head_stride;
+    prefetch_block(vh, off, jb - jlo + kPrefetchBlocks * kBlock, jhi - jlo, row_bytes);
+    widen_rows<E>(vh, off + (jb - jlo), n, D, s.block.data(), s.zeros.data(), block_rows);
     // Rows that see the same keys [a, z) of this block share their V loads: gather
     // them into groups of up to kRowBlock (a causal block has a few distinct spans;
     // the GQA heads of one position always share theirs).
@@ -230,7 +253,7 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
       weigh_rows(block_rows + (g.a - jb), g.p, g.n, g.z - g.a, g.o, D);
       g.n = 0;
     };
-    for (int r = 0; r < rows; ++r) {
+    for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
       const int a = std::max(clo[r], jb), z = std::min(chi[r], jb + n);
       if (a >= z) continue;
       RowGroups::Group& g = groups.open(a, z);
@@ -241,7 +264,7 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     for (int i = 0; i < groups.count; ++i) {
       if (groups.list[i].n > 0) weigh_group(groups.list[i]);
     }
-  }
+  });
 }
 
 // Clip every row's span to chunk c; returns the union [jlo, jhi) (empty: jlo >= jhi).
