@@ -15,6 +15,11 @@
 // halving the loads per fused multiply-add (the loads, not the FMAs, bounded the
 // single-row loops). Every (row, key) score and every output element still sees the
 // identical sequence of operations, so the bits do not change.
+//
+// The loops take K and V rows in any element type E: a bf16 or f16 vector is widened in
+// registers as it is loaded (exact), so a few rows can read a half pool in place with
+// no widening pass through memory; callers with many rows per block widen the block
+// once instead (widen_rows, then E = F32). See BlockRows in kernel.h.
 #pragma once
 
 #include <type_traits>
@@ -66,18 +71,32 @@ inline __m512 fma16(__m512 a, __m512 b, __m512 c) {
   return _mm512_add_ps(_mm512_mul_ps(a, b), c);
 #endif
 }
+
+// 16 elements of a pool row, widened to float32 (exact: E::load lane by lane).
+template <class E>
+inline __m512 load16(const typename E::T* p) {
+  if constexpr (std::is_same_v<E, F32>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<E, BF16>) {
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
 #endif
 
 // s[k] = dot16(q, rows[k]) for k < 16. Every row pointer must be readable (pad a short
 // block with a row of zeros). D: the head dim; the vector path needs D % 16 == 0.
-inline void scores16(const float* q, const float* const* rows, int D, float* s) {
+template <class E>
+inline void scores16(const float* q, const typename E::T* const* rows, int D, float* s) {
 #if defined(__AVX512F__)
   if (D % kLanes == 0) {
     __m512 acc[kBlock];
     for (int k = 0; k < kBlock; ++k) acc[k] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += kLanes) {
       const __m512 qv = _mm512_loadu_ps(q + d);
-      for (int k = 0; k < kBlock; ++k) acc[k] = fma16(qv, _mm512_loadu_ps(rows[k] + d), acc[k]);
+      for (int k = 0; k < kBlock; ++k) acc[k] = fma16(qv, load16<E>(rows[k] + d), acc[k]);
     }
     // Fold pairs of keys (k, k+1) so that the result lands in natural key order:
     // halves hold keys (2j, 2j+1), then quarters (4m .. 4m+3), pairs, singles.
@@ -89,7 +108,7 @@ inline void scores16(const float* q, const float* const* rows, int D, float* s) 
     return;
   }
 #endif
-  for (int k = 0; k < kBlock; ++k) s[k] = dot16(q, rows[k], D);
+  for (int k = 0; k < kBlock; ++k) s[k] = dot16<E>(q, rows[k], D);
 }
 
 constexpr int kRowBlock = 4;  // query rows per register block
@@ -105,8 +124,8 @@ inline void fold16(const __m512* acc, float* s) {
 }
 
 // NR rows x 16 keys, four keys at a time: 4 NR accumulators, 4 + NR loads per step.
-template <int NR>
-inline void scores16_block(const float* const* q, const float* const* rows, int D, float* const* s) {
+template <class E, int NR>
+inline void scores16_block(const float* const* q, const typename E::T* const* rows, int D, float* const* s) {
   __m512 acc[NR][kBlock];
   for (int k0 = 0; k0 < kBlock; k0 += 4) {
     __m512 a[NR][4];
@@ -114,7 +133,7 @@ inline void scores16_block(const float* const* q, const float* const* rows, int 
       for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += kLanes) {
       __m512 kv[4];
-      for (int i = 0; i < 4; ++i) kv[i] = _mm512_loadu_ps(rows[k0 + i] + d);
+      for (int i = 0; i < 4; ++i) kv[i] = load16<E>(rows[k0 + i] + d);
       for (int r = 0; r < NR; ++r) {
         const __m512 qv = _mm512_loadu_ps(q[r] + d);
         for (int i = 0; i < 4; ++i) a[r][i] = fma16(qv, kv[i], a[r][i]);
@@ -127,14 +146,14 @@ inline void scores16_block(const float* const* q, const float* const* rows, int 
 }
 
 // NR rows x NV output vectors (columns d0 .. d0 + 16 NV) in registers across the keys.
-template <int NR, int NV>
-inline void weigh_block(const float* const* rows, const float* const* p, int n, float* const* o, int d0) {
+template <class E, int NR, int NV>
+inline void weigh_block(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int d0) {
   __m512 acc[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_loadu_ps(o[r] + d0 + v * kLanes);
   for (int j = 0; j < n; ++j) {
     __m512 vj[NV];
-    for (int v = 0; v < NV; ++v) vj[v] = _mm512_loadu_ps(rows[j] + d0 + v * kLanes);
+    for (int v = 0; v < NV; ++v) vj[v] = load16<E>(rows[j] + d0 + v * kLanes);
     for (int r = 0; r < NR; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r][j]);
       for (int v = 0; v < NV; ++v) acc[r][v] = fma16(pj, vj[v], acc[r][v]);
@@ -144,14 +163,14 @@ inline void weigh_block(const float* const* rows, const float* const* p, int n, 
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o[r] + d0 + v * kLanes, acc[r][v]);
 }
 
-template <int NR>
-inline void weigh_rows_nr(const float* const* rows, const float* const* p, int n, float* const* o, int D) {
+template <class E, int NR>
+inline void weigh_rows_nr(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int D) {
   for (int d0 = 0; d0 < D; d0 += 4 * kLanes) {
     switch ((D - d0) / kLanes) {
-      case 1: weigh_block<NR, 1>(rows, p, n, o, d0); break;
-      case 2: weigh_block<NR, 2>(rows, p, n, o, d0); break;
-      case 3: weigh_block<NR, 3>(rows, p, n, o, d0); break;
-      default: weigh_block<NR, 4>(rows, p, n, o, d0); break;
+      case 1: weigh_block<E, NR, 1>(rows, p, n, o, d0); break;
+      case 2: weigh_block<E, NR, 2>(rows, p, n, o, d0); break;
+      case 3: weigh_block<E, NR, 3>(rows, p, n, o, d0); break;
+      default: weigh_block<E, NR, 4>(rows, p, n, o, d0); break;
     }
   }
 }
@@ -159,68 +178,71 @@ inline void weigh_rows_nr(const float* const* rows, const float* const* p, int n
 
 #if defined(__AVX512F__)
 // NV registers of o (columns d0 .. d0 + 16 NV) stay in registers across the block.
-template <int NV>
-inline void weigh_columns(const float* const* rows, const float* p, int n, float* o, int d0) {
+template <class E, int NV>
+inline void weigh_columns(const typename E::T* const* rows, const float* p, int n, float* o, int d0) {
   __m512 acc[NV];
   for (int v = 0; v < NV; ++v) acc[v] = _mm512_loadu_ps(o + d0 + v * kLanes);
   for (int j = 0; j < n; ++j) {
     const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int v = 0; v < NV; ++v) acc[v] = fma16(pj, _mm512_loadu_ps(rows[j] + d0 + v * kLanes), acc[v]);
+    for (int v = 0; v < NV; ++v) acc[v] = fma16(pj, load16<E>(rows[j] + d0 + v * kLanes), acc[v]);
   }
   for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + d0 + v * kLanes, acc[v]);
 }
 #endif
 
 // o[d] += p[j] * rows[j][d] for j = 0 .. n-1 in order, one fused multiply-add each.
-inline void weigh(const float* const* rows, const float* p, int n, float* o, int D) {
+template <class E>
+inline void weigh(const typename E::T* const* rows, const float* p, int n, float* o, int D) {
 #if defined(__AVX512F__)
   if (D % kLanes == 0) {
     for (int d0 = 0; d0 < D; d0 += 8 * kLanes) {
       switch ((D - d0) / kLanes) {
-        case 1: weigh_columns<1>(rows, p, n, o, d0); break;
-        case 2: weigh_columns<2>(rows, p, n, o, d0); break;
-        case 3: weigh_columns<3>(rows, p, n, o, d0); break;
-        case 4: weigh_columns<4>(rows, p, n, o, d0); break;
-        case 5: weigh_columns<5>(rows, p, n, o, d0); break;
-        case 6: weigh_columns<6>(rows, p, n, o, d0); break;
-        case 7: weigh_columns<7>(rows, p, n, o, d0); break;
-        default: weigh_columns<8>(rows, p, n, o, d0); break;
+        case 1: weigh_columns<E, 1>(rows, p, n, o, d0); break;
+        case 2: weigh_columns<E, 2>(rows, p, n, o, d0); break;
+        case 3: weigh_columns<E, 3>(rows, p, n, o, d0); break;
+        case 4: weigh_columns<E, 4>(rows, p, n, o, d0); break;
+        case 5: weigh_columns<E, 5>(rows, p, n, o, d0); break;
+        case 6: weigh_columns<E, 6>(rows, p, n, o, d0); break;
+        case 7: weigh_columns<E, 7>(rows, p, n, o, d0); break;
+        default: weigh_columns<E, 8>(rows, p, n, o, d0); break;
       }
     }
     return;
   }
 #endif
-  for (int j = 0; j < n; ++j) axpy(p[j], rows[j], o, D);
+  for (int j = 0; j < n; ++j) axpy<E>(p[j], rows[j], o, D);
 }
 
 // scores16 for nr <= kRowBlock rows: s[r][k] = dot16(q[r], rows[k]).
-inline void scores16_rows(const float* const* q, int nr, const float* const* rows, int D, float* const* s) {
+template <class E>
+inline void scores16_rows(const float* const* q, int nr, const typename E::T* const* rows, int D, float* const* s) {
 #if defined(__AVX512F__)
   if (D % kLanes == 0) {
     switch (nr) {
-      case 1: scores16_block<1>(q, rows, D, s); return;
-      case 2: scores16_block<2>(q, rows, D, s); return;
-      case 3: scores16_block<3>(q, rows, D, s); return;
-      default: scores16_block<4>(q, rows, D, s); return;
+      case 1: scores16_block<E, 1>(q, rows, D, s); return;
+      case 2: scores16_block<E, 2>(q, rows, D, s); return;
+      case 3: scores16_block<E, 3>(q, rows, D, s); return;
+      default: scores16_block<E, 4>(q, rows, D, s); return;
     }
   }
 #endif
-  for (int r = 0; r < nr; ++r) scores16(q[r], rows, D, s[r]);
+  for (int r = 0; r < nr; ++r) scores16<E>(q[r], rows, D, s[r]);
 }
 
 // weigh for nr <= kRowBlock rows over the same n keys: o[r][d] += p[r][j] * rows[j][d].
-inline void weigh_rows(const float* const* rows, const float* const* p, int nr, int n, float* const* o, int D) {
+template <class E>
+inline void weigh_rows(const typename E::T* const* rows, const float* const* p, int nr, int n, float* const* o, int D) {
 #if defined(__AVX512F__)
   if (D % kLanes == 0) {
     switch (nr) {
-      case 1: weigh_rows_nr<1>(rows, p, n, o, D); return;
-      case 2: weigh_rows_nr<2>(rows, p, n, o, D); return;
-      case 3: weigh_rows_nr<3>(rows, p, n, o, D); return;
-      default: weigh_rows_nr<4>(rows, p, n, o, D); return;
+      case 1: weigh_rows_nr<E, 1>(rows, p, n, o, D); return;
+      case 2: weigh_rows_nr<E, 2>(rows, p, n, o, D); return;
+      case 3: weigh_rows_nr<E, 3>(rows, p, n, o, D); return;
+      default: weigh_rows_nr<E, 4>(rows, p, n, o, D); return;
     }
   }
 #endif
-  for (int r = 0; r < nr; ++r) weigh(rows, p[r], n, o[r], D);
+  for (int r = 0; r < nr; ++r) weigh<E>(rows, p[r], n, o[r], D);
 }
 
 #if defined(__AVX512F__)
@@ -283,21 +305,31 @@ inline void widen(const typename E::T* src, float* dst, int D) {
   for (; d < D; ++d) dst[d] = E::load(src[d]);
 }
 
-// Float32 views of up to 16 K or V rows. Float32 pools are read in place; half types
-// are widened once per block into `buf` (16 x D floats) and shared by all query rows.
+// Float32 copies of up to 16 K or V rows, widened once into `buf` (16 x D floats); a
+// float32 pool is pointed at in place. The missing rows of a short block point at
+// `zeros` (a readable row of zeros).
 template <class E>
 inline void widen_rows(const typename E::T* pool, const int64_t* off, int n, int D, float* buf,
                        const float* zeros, const float** rows) {
   for (int k = 0; k < n; ++k) {
     const typename E::T* src = pool + off[k];
-    if constexpr (sizeof(typename E::T) == sizeof(float)) {
-      rows[k] = reinterpret_cast<const float*>(src);
+    if constexpr (std::is_same_v<E, F32>) {
+      rows[k] = src;
     } else {
       float* dst = buf + static_cast<int64_t>(k) * D;
       widen<E>(src, dst, D);
       rows[k] = dst;
     }
   }
+  for (int k = n; k < kBlock; ++k) rows[k] = zeros;
+}
+
+// Pointers to up to 16 K or V rows of the pool, read in place whatever the element
+// type; the missing rows of a short block point at `zeros` (a readable row of zeros).
+template <class E>
+inline void pool_rows(const typename E::T* pool, const int64_t* off, int n, const typename E::T* zeros,
+                      const typename E::T** rows) {
+  for (int k = 0; k < n; ++k) rows[k] = pool + off[k];
   for (int k = n; k < kBlock; ++k) rows[k] = zeros;
 }
 

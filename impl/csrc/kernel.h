@@ -104,7 +104,10 @@ inline void load_query_rows(const Problem& pr, const typename E::T* q, int b, co
 struct Scratch {
   static constexpr int kScoreStride = kChunk + kBlock;  // a block may run past the chunk's keys
 
-  std::vector<float> q32, scores, chunk_ml, chunk_o, acc_ml, acc_o, block, zeros;
+  std::vector<float> q32, scores, chunk_ml, chunk_o, acc_ml, acc_o, block;
+  // Never written: the readable stand-ins for the missing keys of a block, per element size.
+  std::vector<float> zeros;
+  std::vector<uint16_t> zeros16;
   std::vector<int64_t> off;
   std::vector<int> heads, positions, lo, hi, clo, chi;
 
@@ -117,13 +120,47 @@ struct Scratch {
     acc_ml.resize(r * 2);
     acc_o.resize(r * D);
     block.resize(static_cast<size_t>(kBlock) * D);
-    zeros.resize(D);  // never written: the readable stand-in for missing keys of a block
+    zeros.resize(D);
+    zeros16.resize(D);
     off.resize(kChunk);
     for (auto* v : {&heads, &positions, &lo, &hi, &clo, &chi}) v->resize(r);
   }
   static Scratch& local() {
     thread_local Scratch s;
     return s;
+  }
+};
+
+// A block's K or V rows as the blocked loops read them. Few rows per block (a decode
+// head's GQA group): in place, a half type widened in registers as each vector is
+// loaded, so no widening pass through memory. Many (prefill): widened once into
+// float32 scratch, then reused by every row group. Widening is exact, so both ways
+// give the same bits.
+template <class E>
+struct BlockRows {
+  using T = typename E::T;
+  const T* in_pool[kBlock];
+  const float* widened[kBlock];
+  bool use_widened = false;
+
+  void point(const T* pool, const int64_t* off, int n, int D, bool widen_once, Scratch& s) {
+    use_widened = widen_once && !std::is_same_v<E, F32>;
+    if (use_widened) {
+      widen_rows<E>(pool, off, n, D, s.block.data(), s.zeros.data(), widened);
+    } else if constexpr (std::is_same_v<E, F32>) {
+      pool_rows<E>(pool, off, n, s.zeros.data(), in_pool);
+    } else {
+      pool_rows<E>(pool, off, n, s.zeros16.data(), in_pool);
+    }
+  }
+  void scores(const float* const* q, int nr, int D, float* const* out) const {
+    if (use_widened) scores16_rows<F32>(q, nr, widened, D, out);
+    else scores16_rows<E>(q, nr, in_pool, D, out);
+  }
+  // weigh_rows over the keys first .. first + n - 1 of the block.
+  void weigh(int first, const float* const* p, int nr, int n, float* const* o, int D) const {
+    if (use_widened) weigh_rows<F32>(widened + first, p, nr, n, o, D);
+    else weigh_rows<E>(in_pool + first, p, nr, n, o, D);
   }
 };
 
@@ -199,7 +236,8 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   const int D = pr.D, per_head = rows / heads;
   const int64_t stride = Scratch::kScoreStride;
   const int64_t head_stride = static_cast<int64_t>(pr.page_size) * D;  // one head's slice of a page
-  const float* block_rows[kBlock];
+  const bool widen_once = per_head > kRowBlock;  // see BlockRows
+  BlockRows<E> block;
   for (int r = 0; r < rows; ++r) {
     ml[2 * r] = kNegInf;
     ml[2 * r + 1] = 0.f;
@@ -211,13 +249,13 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   for_blocks(pr, jlo, jhi, heads, [&](int h, int jb, int n) {
     const typename E::T* kh = kpool + h * head_stride;
     prefetch_block(kh, off, jb - jlo + kPrefetchBlocks * kBlock, jhi - jlo, row_bytes);
-    widen_rows<E>(kh, off + (jb - jlo), n, D, s.block.data(), s.zeros.data(), block_rows);
+    block.point(kh, off + (jb - jlo), n, D, widen_once, s);
     // The rows of this head that see a key of this block, kRowBlock at a time.
     const float* qs[kRowBlock];
     float* ss[kRowBlock];
     int nsel = 0;
     const auto score_selected = [&] {
-      scores16_rows(qs, nsel, block_rows, D, ss);
+      block.scores(qs, nsel, D, ss);
       for (int i = 0; i < nsel; ++i)
         for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
       nsel = 0;
@@ -244,13 +282,13 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   for_blocks(pr, jlo, jhi, heads, [&](int h, int jb, int n) {
     const typename E::T* vh = vpool + h * head_stride;
     prefetch_block(vh, off, jb - jlo + kPrefetchBlocks * kBlock, jhi - jlo, row_bytes);
-    widen_rows<E>(vh, off + (jb - jlo), n, D, s.block.data(), s.zeros.data(), block_rows);
+    block.point(vh, off + (jb - jlo), n, D, widen_once, s);
     // Rows that see the same keys [a, z) of this block share their V loads: gather
     // them into groups of up to kRowBlock (a causal block has a few distinct spans;
     // the GQA heads of one position always share theirs).
     RowGroups groups;
     const auto weigh_group = [&](RowGroups::Group& g) {
-      weigh_rows(block_rows + (g.a - jb), g.p, g.n, g.z - g.a, g.o, D);
+      block.weigh(g.a - jb, g.p, g.n, g.z - g.a, g.o, D);
       g.n = 0;
     };
     for (int r = h * per_head; r < (h + 1) * per_head; ++r) {

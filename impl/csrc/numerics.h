@@ -119,14 +119,16 @@ inline float fold_lanes(float* acc) {
 }
 
 // The score dot product: lane i accumulates d = i, i+16, i+32, ... in ascending
-// order (a short D leaves the upper lanes at zero), then fold_lanes.
-inline float dot16(const float* q, const float* k, int D) {
+// order (a short D leaves the upper lanes at zero), then fold_lanes. The key row may be
+// any element type E: it is widened exactly, element by element, as it is read.
+template <class E = F32>
+inline float dot16(const float* q, const typename E::T* k, int D) {
   float acc[kLanes] = {};
   int d = 0;
   for (; d + kLanes <= D; d += kLanes) {
-    for (int i = 0; i < kLanes; ++i) acc[i] = fmadd(q[d + i], k[d + i], acc[i]);
+    for (int i = 0; i < kLanes; ++i) acc[i] = fmadd(q[d + i], E::load(k[d + i]), acc[i]);
   }
-  for (int i = 0; d + i < D; ++i) acc[i] = fmadd(q[d + i], k[d + i], acc[i]);
+  for (int i = 0; d + i < D; ++i) acc[i] = fmadd(q[d + i], E::load(k[d + i]), acc[i]);
   return fold_lanes(acc);
 }
 
@@ -159,9 +161,10 @@ inline float max_of(const float* p, int n) {
   return m;
 }
 
-// o[d] += p * v[d], one fused multiply-add per element.
-inline void axpy(float p, const float* v, float* o, int D) {
-  for (int d = 0; d < D; ++d) o[d] = fmadd(p, v[d], o[d]);
+// o[d] += p * v[d], one fused multiply-add per element (v widened exactly as read).
+template <class E>
+inline void axpy(float p, const typename E::T* v, float* o, int D) {
+  for (int d = 0; d < D; ++d) o[d] = fmadd(p, E::load(v[d]), o[d]);
 }
 
 // Fold a chunk's state into the accumulated one. A state is (m, l, o): the max signed
