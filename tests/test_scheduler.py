@@ -187,6 +187,8 @@ def test_dense_static_slots_reserve_the_slot_and_report_the_fitted_bound():
     per_token = 2 * 2 * 2 * 4 * 4  # K and V, layers, heads, D, float32
     a, b, c = Request(0, 10, 5), Request(1, 20, 10), Request(2, 35, 6)
     assert (store.could_ever_hold(a), store.could_ever_hold(c)) == (True, False)  # 41 > slot of 40
+    assert store.could_ever_hold(Request(9, 30, 10))  # exactly a slot
+    assert not dense_store(budget_tokens=39, slot_tokens=40).could_ever_hold(a)  # a slot over the budget
     store.admit(a)
     store.reserve(a, 12)
     assert store.can_admit(b, [])
@@ -198,8 +200,13 @@ def test_dense_static_slots_reserve_the_slot_and_report_the_fitted_bound():
     with pytest.raises(PoolExhausted, match="outgrew its dense reservation of 40"):
         store.reserve(a, 29)
     assert dense_state(store) == before
+    store.reserve(a, 28)  # up to the slot exactly
+    assert store.lengths[0] == 40 and store.tail_waste_slots() == 40
     store.release(a)
     assert dense_state(store) == ({1: 40}, {1: 30}, {1: 0}, 40 * per_token, 30 * per_token, 40)
+    tight = dense_store(budget_tokens=80, slot_tokens=40)
+    tight.admit(a)
+    assert tight.can_admit(b, [])  # two slots fill the budget exactly
 
 
 def test_dense_without_slots_reserves_prompt_plus_cap():
@@ -214,3 +221,4 @@ def test_dense_without_slots_reserves_prompt_plus_cap():
 def test_dense_slot_size_must_be_positive(slot):
     with pytest.raises(ServingError, match=f"slot_tokens must be >= 1 or None, got {slot}"):
         dense_store(budget_tokens=10, slot_tokens=slot)
+    assert dense_store(budget_tokens=10, slot_tokens=1).slot_tokens == 1
