@@ -219,6 +219,28 @@ def test_dense_without_slots_reserves_prompt_plus_cap():
 
 @pytest.mark.parametrize("slot", [0, -3])
 def test_dense_slot_size_must_be_positive(slot):
-    with pytest.raises(ServingError, match=f"slot_tokens must be >= 1 or None, got {slot}"):
+    with pytest.raises(ServingError, match=f"slot_tokens must be >= 1 or None, got {slot}") as err:
         dense_store(budget_tokens=10, slot_tokens=slot)
+    assert err.value.clause == "capacity"
     assert dense_store(budget_tokens=10, slot_tokens=1).slot_tokens == 1
+
+
+def test_dense_budget_must_be_positive_and_may_be_one_slot():
+    with pytest.raises(ServingError, match="budget_tokens must be >= 1, got 0") as err:
+        dense_store(budget_tokens=0, slot_tokens=None)
+    assert err.value.clause == "capacity"
+    assert dense_store(budget_tokens=1, slot_tokens=1).could_ever_hold(Request(0, 1, 0))
+    assert dense_store(budget_tokens=40, slot_tokens=40).could_ever_hold(Request(0, 30, 10))  # slot == budget
+
+
+def test_paged_store_counts_pages_bytes_and_leaks():
+    store = PagedStore(make_pool(num_pages=12))  # pages of 4
+    assert (store.pages_for(17), store.pages_for(16), store.pages_for(0)) == (5, 4, 0)
+    running = Request(0, 10, 2)
+    store.admit(running)
+    store.reserve(running, 4)  # one of its three prompt pages so far, so 2 still needed
+    assert store.can_admit(Request(1, 36, 2), [running])  # 9 pages + 2 == 11 free
+    assert not store.can_admit(Request(2, 37, 2), [running])  # 10 + 2 > 11
+    assert store.kv_bytes() == store.held_bytes() == store.fitted_bytes() == store.pool.bytes_per_page
+    leaked = store.pool.allocator.allocate(2)
+    assert store.leaked_pages() == 2 and len(leaked) == 2
