@@ -62,8 +62,7 @@ def make_store(trace: Trace, variant: str, budget_tokens: int, **pool_options):
 
 def default_budget(trace: Trace) -> int:
     """Tokens (per layer) that hold `batch` requests of the longest kind: no preemption."""
-    longest = trace.prompt_range[1] + trace.output_range[1]
-    return trace.batch * -(-longest // trace.page_size) * trace.page_size
+    return trace.batch * -(-trace.max_seq_len // trace.page_size) * trace.page_size
 
 
 def run_variant(trace: Trace, variant: str, budget_tokens: int | None = None, emit=None, on_step=None,

@@ -80,19 +80,22 @@ class DenseStore:
         self.lengths: dict[int, int] = {}
         self.kv: dict[int, list[list]] = {}        # rid -> per layer [keys, values] or None
 
+    @staticmethod
+    def _bound(req) -> int:
+        return req.prompt_len + req.max_new_tokens
+
     def _reservation(self, req) -> int:
-        return self.slot_tokens if self.slot_tokens is not None else req.prompt_len + req.max_new_tokens
+        return self.slot_tokens if self.slot_tokens is not None else self._bound(req)
 
     def could_ever_hold(self, req) -> bool:
-        bound = req.prompt_len + req.max_new_tokens
-        return bound <= self._reservation(req) <= self.budget_tokens
+        return self._bound(req) <= self._reservation(req) <= self.budget_tokens
 
     def can_admit(self, req, running) -> bool:
         return sum(self.reserved.values()) + self._reservation(req) <= self.budget_tokens
 
     def admit(self, req) -> None:
         self.reserved[req.rid] = self._reservation(req)
-        self.bounds[req.rid] = req.prompt_len + req.max_new_tokens
+        self.bounds[req.rid] = self._bound(req)
         self.lengths[req.rid] = 0
         self.kv[req.rid] = [[None, None] for _ in range(self.num_layers)]
 

@@ -305,21 +305,17 @@ inline void widen(const typename E::T* src, float* dst, int D) {
   for (; d < D; ++d) dst[d] = E::load(src[d]);
 }
 
-// Float32 copies of up to 16 K or V rows, widened once into `buf` (16 x D floats); a
-// float32 pool is pointed at in place. The missing rows of a short block point at
-// `zeros` (a readable row of zeros).
+// Float32 copies of up to 16 K or V rows of a half-type pool, widened once into `buf`
+// (16 x D floats). The missing rows of a short block point at `zeros` (a readable row
+// of zeros).
 template <class E>
 inline void widen_rows(const typename E::T* pool, const int64_t* off, int n, int D, float* buf,
                        const float* zeros, const float** rows) {
+  static_assert(!std::is_same_v<E, F32>, "a float32 pool is read in place (pool_rows)");
   for (int k = 0; k < n; ++k) {
-    const typename E::T* src = pool + off[k];
-    if constexpr (std::is_same_v<E, F32>) {
-      rows[k] = src;
-    } else {
-      float* dst = buf + static_cast<int64_t>(k) * D;
-      widen<E>(src, dst, D);
-      rows[k] = dst;
-    }
+    float* dst = buf + static_cast<int64_t>(k) * D;
+    widen<E>(pool + off[k], dst, D);
+    rows[k] = dst;
   }
   for (int k = n; k < kBlock; ++k) rows[k] = zeros;
 }

@@ -144,13 +144,12 @@ struct BlockRows {
   bool use_widened = false;
 
   void point(const T* pool, const int64_t* off, int n, int D, bool widen_once, Scratch& s) {
-    use_widened = widen_once && !std::is_same_v<E, F32>;
-    if (use_widened) {
-      widen_rows<E>(pool, off, n, D, s.block.data(), s.zeros.data(), widened);
-    } else if constexpr (std::is_same_v<E, F32>) {
-      pool_rows<E>(pool, off, n, s.zeros.data(), in_pool);
+    if constexpr (std::is_same_v<E, F32>) {
+      pool_rows<E>(pool, off, n, s.zeros.data(), in_pool);  // already float32
     } else {
-      pool_rows<E>(pool, off, n, s.zeros16.data(), in_pool);
+      use_widened = widen_once;
+      if (use_widened) widen_rows<E>(pool, off, n, D, s.block.data(), s.zeros.data(), widened);
+      else pool_rows<E>(pool, off, n, s.zeros16.data(), in_pool);
     }
   }
   void scores(const float* const* q, int nr, int D, float* const* out) const {
@@ -207,15 +206,15 @@ inline void prefetch_block(const T* pool, const int64_t* off, int first, int n, 
 template <class Visit>
 inline void for_blocks(const Problem& pr, int jlo, int jhi, int heads, Visit&& visit) {
   const int ps = pr.page_size;
+  if (ps < kBlock) {
+    for (int jb = jlo; jb < jhi; jb += kBlock)
+      for (int h = 0; h < heads; ++h) visit(h, jb, std::min(kBlock, jhi - jb));
+    return;
+  }
   for (int s0 = jlo; s0 < jhi;) {
-    const int s1 = ps >= kBlock ? std::min(jhi, (s0 / ps + 1) * ps) : jhi;
-    if (ps >= kBlock) {
-      for (int h = 0; h < heads; ++h)
-        for (int jb = s0; jb < s1; jb += kBlock) visit(h, jb, std::min(kBlock, s1 - jb));
-    } else {
-      for (int jb = s0; jb < s1; jb += kBlock)
-        for (int h = 0; h < heads; ++h) visit(h, jb, std::min(kBlock, s1 - jb));
-    }
+    const int s1 = std::min(jhi, (s0 / ps + 1) * ps);  // the end of s0's page
+    for (int h = 0; h < heads; ++h)
+      for (int jb = s0; jb < s1; jb += kBlock) visit(h, jb, std::min(kBlock, s1 - jb));
     s0 = s1;
   }
 }
