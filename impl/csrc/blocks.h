@@ -16,6 +16,9 @@
 // single-row loops). Every (row, key) score and every output element still sees the
 // identical sequence of operations, so the bits do not change.
 //
+// Given the rows of the block the caller reads next, the loops also ask for its cache
+// lines, one per line they consume (ask_next), so memory and arithmetic overlap.
+//
 // The loops take K and V rows in any element type E: a bf16 or f16 vector is widened in
 // registers as it is loaded (exact), so a few rows can read a half pool in place with
 // no widening pass through memory; callers with many rows per block widen the block
@@ -86,6 +89,20 @@ inline __m512 load16(const typename E::T* p) {
 }
 #endif
 
+// Asks for the cache line of the next block's row that matches the 16 elements a loop
+// is loading now from this block's row (once per line: every second load of a half
+// type). Spread this way, one request per line consumed, the next block streams in
+// while this one computes; asked all at once, the requests would queue behind each
+// other and the multiply-adds would wait for memory instead of overlapping it.
+// `next` may be null (nothing to ask for); prefetches change no value.
+template <class E>
+inline void ask_next(const typename E::T* const* next, int row, int d) {
+  constexpr int kLineElems = 64 / static_cast<int>(sizeof(typename E::T));
+  if (next != nullptr && d % kLineElems == 0) {
+    __builtin_prefetch(next[row] + d, 0, 3);
+  }
+}
+
 // s[k] = dot16(q, rows[k]) for k < 16. Every row pointer must be readable (pad a short
 // block with a row of zeros). D: the head dim; the vector path needs D % 16 == 0.
 template <class E>
@@ -125,7 +142,8 @@ inline void fold16(const __m512* acc, float* s) {
 
 // NR rows x 16 keys, four keys at a time: 4 NR accumulators, 4 + NR loads per step.
 template <class E, int NR>
-inline void scores16_block(const float* const* q, const typename E::T* const* rows, int D, float* const* s) {
+inline void scores16_block(const float* const* q, const typename E::T* const* rows, int D, float* const* s,
+                           const typename E::T* const* next) {
   __m512 acc[NR][kBlock];
   for (int k0 = 0; k0 < kBlock; k0 += 4) {
     __m512 a[NR][4];
@@ -133,7 +151,10 @@ inline void scores16_block(const float* const* q, const typename E::T* const* ro
       for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += kLanes) {
       __m512 kv[4];
-      for (int i = 0; i < 4; ++i) kv[i] = load16<E>(rows[k0 + i] + d);
+      for (int i = 0; i < 4; ++i) {
+        kv[i] = load16<E>(rows[k0 + i] + d);
+        ask_next<E>(next, k0 + i, d);
+      }
       for (int r = 0; r < NR; ++r) {
         const __m512 qv = _mm512_loadu_ps(q[r] + d);
         for (int i = 0; i < 4; ++i) a[r][i] = fma16(qv, kv[i], a[r][i]);
@@ -147,13 +168,17 @@ inline void scores16_block(const float* const* q, const typename E::T* const* ro
 
 // NR rows x NV output vectors (columns d0 .. d0 + 16 NV) in registers across the keys.
 template <class E, int NR, int NV>
-inline void weigh_block(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int d0) {
+inline void weigh_block(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int d0,
+                        const typename E::T* const* next) {
   __m512 acc[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_loadu_ps(o[r] + d0 + v * kLanes);
   for (int j = 0; j < n; ++j) {
     __m512 vj[NV];
-    for (int v = 0; v < NV; ++v) vj[v] = load16<E>(rows[j] + d0 + v * kLanes);
+    for (int v = 0; v < NV; ++v) {
+      vj[v] = load16<E>(rows[j] + d0 + v * kLanes);
+      ask_next<E>(next, j, d0 + v * kLanes);
+    }
     for (int r = 0; r < NR; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r][j]);
       for (int v = 0; v < NV; ++v) acc[r][v] = fma16(pj, vj[v], acc[r][v]);
@@ -164,13 +189,14 @@ inline void weigh_block(const typename E::T* const* rows, const float* const* p,
 }
 
 template <class E, int NR>
-inline void weigh_rows_nr(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int D) {
+inline void weigh_rows_nr(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int D,
+                          const typename E::T* const* next) {
   for (int d0 = 0; d0 < D; d0 += 4 * kLanes) {
     switch ((D - d0) / kLanes) {
-      case 1: weigh_block<E, NR, 1>(rows, p, n, o, d0); break;
-      case 2: weigh_block<E, NR, 2>(rows, p, n, o, d0); break;
-      case 3: weigh_block<E, NR, 3>(rows, p, n, o, d0); break;
-      default: weigh_block<E, NR, 4>(rows, p, n, o, d0); break;
+      case 1: weigh_block<E, NR, 1>(rows, p, n, o, d0, next); break;
+      case 2: weigh_block<E, NR, 2>(rows, p, n, o, d0, next); break;
+      case 3: weigh_block<E, NR, 3>(rows, p, n, o, d0, next); break;
+      default: weigh_block<E, NR, 4>(rows, p, n, o, d0, next); break;
     }
   }
 }
@@ -213,35 +239,40 @@ inline void weigh(const typename E::T* const* rows, const float* p, int n, float
   for (int j = 0; j < n; ++j) axpy<E>(p[j], rows[j], o, D);
 }
 
-// scores16 for nr <= kRowBlock rows: s[r][k] = dot16(q[r], rows[k]).
+// scores16 for nr <= kRowBlock rows: s[r][k] = dot16(q[r], rows[k]). next: the rows of
+// the block the caller reads after this one, or null (ask_next).
 template <class E>
-inline void scores16_rows(const float* const* q, int nr, const typename E::T* const* rows, int D, float* const* s) {
+inline void scores16_rows(const float* const* q, int nr, const typename E::T* const* rows, int D, float* const* s,
+                          const typename E::T* const* next = nullptr) {
 #if defined(__AVX512F__)
   if (D % kLanes == 0) {
     switch (nr) {
-      case 1: scores16_block<E, 1>(q, rows, D, s); return;
-      case 2: scores16_block<E, 2>(q, rows, D, s); return;
-      case 3: scores16_block<E, 3>(q, rows, D, s); return;
-      default: scores16_block<E, 4>(q, rows, D, s); return;
+      case 1: scores16_block<E, 1>(q, rows, D, s, next); return;
+      case 2: scores16_block<E, 2>(q, rows, D, s, next); return;
+      case 3: scores16_block<E, 3>(q, rows, D, s, next); return;
+      default: scores16_block<E, 4>(q, rows, D, s, next); return;
     }
   }
 #endif
+  (void)next;
   for (int r = 0; r < nr; ++r) scores16<E>(q[r], rows, D, s[r]);
 }
 
 // weigh for nr <= kRowBlock rows over the same n keys: o[r][d] += p[r][j] * rows[j][d].
 template <class E>
-inline void weigh_rows(const typename E::T* const* rows, const float* const* p, int nr, int n, float* const* o, int D) {
+inline void weigh_rows(const typename E::T* const* rows, const float* const* p, int nr, int n, float* const* o, int D,
+                       const typename E::T* const* next = nullptr) {
 #if defined(__AVX512F__)
   if (D % kLanes == 0) {
     switch (nr) {
-      case 1: weigh_rows_nr<E, 1>(rows, p, n, o, D); return;
-      case 2: weigh_rows_nr<E, 2>(rows, p, n, o, D); return;
-      case 3: weigh_rows_nr<E, 3>(rows, p, n, o, D); return;
-      default: weigh_rows_nr<E, 4>(rows, p, n, o, D); return;
+      case 1: weigh_rows_nr<E, 1>(rows, p, n, o, D, next); return;
+      case 2: weigh_rows_nr<E, 2>(rows, p, n, o, D, next); return;
+      case 3: weigh_rows_nr<E, 3>(rows, p, n, o, D, next); return;
+      default: weigh_rows_nr<E, 4>(rows, p, n, o, D, next); return;
     }
   }
 #endif
+  (void)next;
   for (int r = 0; r < nr; ++r) weigh<E>(rows, p[r], n, o[r], D);
 }
 

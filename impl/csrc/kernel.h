@@ -125,6 +125,12 @@ struct Scratch {
     off.resize(kChunk);
     for (auto* v : {&heads, &positions, &lo, &hi, &clo, &chi}) v->resize(r);
   }
+  // The readable row of zeros for pool elements of type T.
+  template <class T>
+  const T* zero_row() const {
+    if constexpr (std::is_same_v<T, float>) return zeros.data();
+    else return zeros16.data();
+  }
   static Scratch& local() {
     thread_local Scratch s;
     return s;
@@ -152,14 +158,17 @@ struct BlockRows {
       else pool_rows<E>(pool, off, n, s.zeros16.data(), in_pool);
     }
   }
-  void scores(const float* const* q, int nr, int D, float* const* out) const {
+  // next: the pool rows of the block read after this one, asked for while this one
+  // computes (ask_next), or null. A widened block is reused by many row groups, so its
+  // loads are few and it asks for nothing.
+  void scores(const float* const* q, int nr, int D, float* const* out, const T* const* next) const {
     if (use_widened) scores16_rows<F32>(q, nr, widened, D, out);
-    else scores16_rows<E>(q, nr, in_pool, D, out);
+    else scores16_rows<E>(q, nr, in_pool, D, out, next);
   }
   // weigh_rows over the keys first .. first + n - 1 of the block.
-  void weigh(int first, const float* const* p, int nr, int n, float* const* o, int D) const {
+  void weigh(int first, const float* const* p, int nr, int n, float* const* o, int D, const T* const* next) const {
     if (use_widened) weigh_rows<F32>(widened + first, p, nr, n, o, D);
-    else weigh_rows<E>(in_pool + first, p, nr, n, o, D);
+    else weigh_rows<E>(in_pool + first, p, nr, n, o, D, next);
   }
 };
 
@@ -185,18 +194,6 @@ struct RowGroups {
   }
 };
 
-constexpr int kPrefetchBlocks = 2;
-
-// Ask for the K or V rows first .. first + kBlock - 1 of a chunk (clipped to [0, n)).
-template <class T>
-inline void prefetch_block(const T* pool, const int64_t* off, int first, int n, int64_t row_bytes) {
-  const int a = std::max(first, 0), z = std::min(first + kBlock, n);
-  for (int k = a; k < z; ++k) {
-    const char* row = reinterpret_cast<const char*>(pool + off[k]);
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
-  }
-}
-
 // Calls visit(h, jb, n) for every head h < heads and every block [jb, jb + n) of at most
 // kBlock keys of [jlo, jhi), in the pool's address order (a page is [Hkv, page_size, D]):
 // page by page, and within a page head by head, so a call streams whole pages rather
@@ -219,6 +216,31 @@ inline void for_blocks(const Problem& pr, int jlo, int jhi, int heads, Visit&& v
   }
 }
 
+// for_blocks one block behind: visit(h, jb, n, next) also gets the pool rows of the
+// block visited after it (null for the last one), so that it can ask for them while it
+// computes (ask_next): the hardware prefetcher alone stops running ahead whenever the
+// loads pause for the multiply-adds, so without this the time for memory and the time
+// for arithmetic add up instead of overlapping.
+template <class E, class Visit>
+inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const int64_t* off, int jlo, int jhi,
+                             int heads, const typename E::T* zero_row, Visit&& visit) {
+  using T = typename E::T;
+  const int64_t head_stride = static_cast<int64_t>(pr.page_size) * pr.D;
+  const T* next[kBlock];
+  const T* const* none = nullptr;
+  int h0 = -1, jb0 = 0, n0 = 0;  // the block waiting for its successor
+  for_blocks(pr, jlo, jhi, heads, [&](int h, int jb, int n) {
+    if (h0 >= 0) {
+      pool_rows<E>(pool + h * head_stride, off + (jb - jlo), n, zero_row, next);
+      visit(h0, jb0, n0, next);
+    }
+    h0 = h;
+    jb0 = jb;
+    n0 = n;
+  });
+  if (h0 >= 0) visit(h0, jb0, n0, none);
+}
+
 // Attention of `rows` query rows over the keys of one chunk, for `heads` consecutive KV
 // heads: rows [h * rows / heads, (h + 1) * rows / heads) read KV head h (counted from
 // the head `off` points at). clo/chi: each row's visible keys clipped to the chunk
@@ -226,12 +248,13 @@ inline void for_blocks(const Problem& pr, int jlo, int jhi, int heads, Visit&& v
 // jlo .. jhi-1 of the first head. Writes each row's chunk state: ml[2r] = m,
 // ml[2r+1] = l (0 when the row sees no key here), o[r*D ...]. K/V come in blocks of up
 // to 16 keys (for_blocks) so a block is loaded (and widened) once for all rows of the
-// GQA group. Keys a row cannot see are never used, and keys outside [jlo, jhi) never
+// GQA group, and each block asks for the next one while it computes (for_blocks_ahead). Keys a row cannot see are never used, and keys outside [jlo, jhi) never
 // read: their slots may hold NaN (REFERENCE.md invariant 9).
 template <class E>
 void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename E::T* vpool,
                   const int64_t* off, int jlo, int jhi, const float* q32, int rows, int heads,
                   const int* clo, const int* chi, Scratch& s, float* ml, float* o) {
+  using T = typename E::T;
   const int D = pr.D, per_head = rows / heads;
   const int64_t stride = Scratch::kScoreStride;
   const int64_t head_stride = static_cast<int64_t>(pr.page_size) * D;  // one head's slice of a page
@@ -242,19 +265,17 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     ml[2 * r + 1] = 0.f;
     std::fill(o + static_cast<int64_t>(r) * D, o + static_cast<int64_t>(r + 1) * D, 0.f);
   }
-  // Each block asks for the same head's rows kPrefetchBlocks blocks on, which may lie
-  // in a page the hardware prefetcher cannot guess. Prefetches change no value.
-  const int64_t row_bytes = static_cast<int64_t>(D) * sizeof(typename E::T);
-  for_blocks(pr, jlo, jhi, heads, [&](int h, int jb, int n) {
-    const typename E::T* kh = kpool + h * head_stride;
-    prefetch_block(kh, off, jb - jlo + kPrefetchBlocks * kBlock, jhi - jlo, row_bytes);
+  const T* zero_row = s.zero_row<T>();
+  for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, zero_row, [&](int h, int jb, int n, const T* const* next) {
+    const T* kh = kpool + h * head_stride;
     block.point(kh, off + (jb - jlo), n, D, widen_once, s);
     // The rows of this head that see a key of this block, kRowBlock at a time.
     const float* qs[kRowBlock];
     float* ss[kRowBlock];
     int nsel = 0;
     const auto score_selected = [&] {
-      block.scores(qs, nsel, D, ss);
+      block.scores(qs, nsel, D, ss, next);
+      next = nullptr;  // asked for by the first rows
       for (int i = 0; i < nsel; ++i)
         for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
       nsel = 0;
@@ -278,16 +299,16 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     ml[2 * r + 1] = lane_sum(sc, clo[r], n);
   }
   // Weighted values, ascending j for every row.
-  for_blocks(pr, jlo, jhi, heads, [&](int h, int jb, int n) {
-    const typename E::T* vh = vpool + h * head_stride;
-    prefetch_block(vh, off, jb - jlo + kPrefetchBlocks * kBlock, jhi - jlo, row_bytes);
+  for_blocks_ahead<E>(pr, vpool, off, jlo, jhi, heads, zero_row, [&](int h, int jb, int n, const T* const* next) {
+    const T* vh = vpool + h * head_stride;
     block.point(vh, off + (jb - jlo), n, D, widen_once, s);
     // Rows that see the same keys [a, z) of this block share their V loads: gather
     // them into groups of up to kRowBlock (a causal block has a few distinct spans;
     // the GQA heads of one position always share theirs).
     RowGroups groups;
     const auto weigh_group = [&](RowGroups::Group& g) {
-      block.weigh(g.a - jb, g.p, g.n, g.z - g.a, g.o, D);
+      block.weigh(g.a - jb, g.p, g.n, g.z - g.a, g.o, D, next);
+      next = nullptr;
       g.n = 0;
     };
     for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
