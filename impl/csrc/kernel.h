@@ -53,6 +53,9 @@ struct Problem {
     lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
   }
 
+  // Elements of one KV head's slice of a page ([page_size, D]); a page holds Hkv of them.
+  int64_t head_slice() const { return static_cast<int64_t>(page_size) * D; }
+
   // Element offset of the first query / output element of (b, h, l).
   int64_t query_offset(int b, int h, int l) const {
     return ((static_cast<int64_t>(b) * Hq + h) * L + l) * D;
@@ -80,8 +83,8 @@ inline bool request_is_safe(const Problem& pr, int b) {
 inline void resolve_rows(const Problem& pr, int b, int g, int j0, int j1, int64_t* off) {
   const int ps = pr.page_size;
   const int32_t* row = pr.block_table + static_cast<int64_t>(b) * pr.max_pages;
-  const int64_t page_stride = static_cast<int64_t>(pr.Hkv) * ps * pr.D;
-  const int64_t head = static_cast<int64_t>(g) * ps * pr.D;
+  const int64_t page_stride = pr.Hkv * pr.head_slice();
+  const int64_t head = g * pr.head_slice();
   int j = j0;
   while (j < j1) {
     const int logical = j / ps;
@@ -225,9 +228,8 @@ template <class E, class Visit>
 inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const int64_t* off, int jlo, int jhi,
                              int heads, const typename E::T* zero_row, Visit&& visit) {
   using T = typename E::T;
-  const int64_t head_stride = static_cast<int64_t>(pr.page_size) * pr.D;
+  const int64_t head_stride = pr.head_slice();
   const T* next[kBlock];
-  const T* const* none = nullptr;
   int h0 = -1, jb0 = 0, n0 = 0;  // the block waiting for its successor
   for_blocks(pr, jlo, jhi, heads, [&](int h, int jb, int n) {
     if (h0 >= 0) {
@@ -238,7 +240,7 @@ inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const
     jb0 = jb;
     n0 = n;
   });
-  if (h0 >= 0) visit(h0, jb0, n0, none);
+  if (h0 >= 0) visit(h0, jb0, n0, nullptr);
 }
 
 // Attention of `rows` query rows over the keys of one chunk, for `heads` consecutive KV
@@ -248,8 +250,9 @@ inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const
 // jlo .. jhi-1 of the first head. Writes each row's chunk state: ml[2r] = m,
 // ml[2r+1] = l (0 when the row sees no key here), o[r*D ...]. K/V come in blocks of up
 // to 16 keys (for_blocks) so a block is loaded (and widened) once for all rows of the
-// GQA group, and each block asks for the next one while it computes (for_blocks_ahead). Keys a row cannot see are never used, and keys outside [jlo, jhi) never
-// read: their slots may hold NaN (REFERENCE.md invariant 9).
+// GQA group, and each block asks for the next one while it computes (for_blocks_ahead).
+// Keys a row cannot see are never used, and keys outside [jlo, jhi) never read: their
+// slots may hold NaN (REFERENCE.md invariant 9).
 template <class E>
 void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename E::T* vpool,
                   const int64_t* off, int jlo, int jhi, const float* q32, int rows, int heads,
@@ -257,7 +260,7 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   using T = typename E::T;
   const int D = pr.D, per_head = rows / heads;
   const int64_t stride = Scratch::kScoreStride;
-  const int64_t head_stride = static_cast<int64_t>(pr.page_size) * D;  // one head's slice of a page
+  const int64_t head_stride = pr.head_slice();
   const bool widen_once = per_head > kRowBlock;  // see BlockRows
   BlockRows<E> block;
   for (int r = 0; r < rows; ++r) {
