@@ -4,7 +4,7 @@
 |------------------------------------------------|----------------------------------------------------|----------|
 | decode: paged vs torch SDPA, S >= 1024         | worst torch / paged median over those cases         | >= 1.5x  |
 | decode: paged bandwidth fraction, S >= 8192 f32 | worst paged bandwidth_fraction over those cases    | >= 70%   |
-| prefill: paged vs torch SDPA                   | worst torch / paged median over prefill cases       | >= 1x    |
+| prefill: paged vs torch SDPA                   | worst torch / paged median over prefill cases (notes torch cases above the FMA peak) | >= 1x    |
 | decode / prefill: paged vs MLX SDPA            | worst mlx_sdpa / paged median (timed cases)         | >= 10x   |
 | write: 1 GiB / 64 MiB pool                     | worst median ratio (1-token append, 128-token chunk) | <= 1.2x  |
 | serving: decode tok/s paged / dense            | from the serving trace                              | >= 1.6x  |
@@ -47,6 +47,18 @@ def _goal(name, pairs, target, *, at_least=True, unit="x", why_missing="not meas
             "met": met, "detail": detail}
 
 
+def _beyond_fma(goal: dict, cases) -> dict:
+    """Notes the prefill cases where torch runs faster than any float32 FMA kernel can
+    on this machine (its fma_fraction above 1: bf16 on AMX tiles), which no kernel
+    keeping float32 multiply-adds can match however it is tuned."""
+    over = [c for c in cases if c["op"] == "prefill" and c["path"] == "torch_sdpa" and c.get("fma_fraction", 0) > 1]
+    if over:
+        worst = max(over, key=lambda c: c["fma_fraction"])
+        goal["detail"] += (f"; torch_sdpa runs above this machine's float32 FMA peak in {len(over)} case(s) "
+                           f"(up to {worst['fma_fraction']:.2f}x the peak, {_name(worst)})")
+    return goal
+
+
 def _fmt(value, unit) -> str:
     return f"{value:.0%}" if unit == "%" else f"{value:.2f}x"
 
@@ -65,7 +77,8 @@ def evaluate(report: dict) -> list[dict]:
                                                                  lambda c: c["context"] >= 1024), 1.5,
               why_missing=no_torch),
         _goal("decode: paged bandwidth fraction, S >= 8192 f32", bw, 0.70, unit="%"),
-        _goal("prefill: paged vs torch SDPA", _speedup(cases, "prefill", "torch_sdpa"), 1.0, why_missing=no_torch),
+        _beyond_fma(_goal("prefill: paged vs torch SDPA", _speedup(cases, "prefill", "torch_sdpa"), 1.0,
+                          why_missing=no_torch), cases),
         _goal("decode: paged vs MLX SDPA", _speedup(cases, "decode", "mlx_sdpa"), 10.0),
         _goal("prefill: paged vs MLX SDPA", _speedup(cases, "prefill", "mlx_sdpa"), 10.0),
         _goal("write: 1 GiB / 64 MiB pool, same write", writes, 1.2, at_least=False),

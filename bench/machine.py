@@ -4,6 +4,7 @@
 |-----------------------|----------------------------------------------------------------------|
 | `read_gbytes_per_s`   | numpy max over a 256 MB float32 array, split across as many threads as the kernel uses (numpy releases the GIL in reductions); best of 7. Max, not sum: numpy's float32 sum is pairwise and runs at about 7 GB/s a thread even from cache, so it measured its own arithmetic, not the memory (half the real rate here) |
 | `sgemm_gflops`        | numpy float32 matmul 2048^3 in a subprocess whose BLAS gets the kernel's thread count (OPENBLAS_NUM_THREADS); best of 5 |
+| `fma_gflops`          | the kernels' own threads issuing independent fused multiply-add chains at the build's widest vectors (`pagecheck_kernels.fma_peak_gflops`, best of the repeats in 0.5 s): the arithmetic ceiling of any float32 FMA kernel, ours included. numpy's sgemm reaches well under it here, so a rate above sgemm is not yet a rate near the machine's limit; a peer above it is not using float32 FMAs at all (torch's bf16 SDPA runs on AMX tiles) |
 
 Best-of, not median: a limit is what the machine can do, and the machine is shared.
 """
@@ -20,11 +21,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pagecheck_kernels
 
 import impl
 
 READ_BYTES = 256 * 10**6
 SGEMM_N = 2048
+FMA_SECONDS = 0.5
 
 _SGEMM = """
 import time, numpy as np
@@ -63,6 +66,7 @@ def sgemm_rate(threads: int, n: int = SGEMM_N) -> float:
 def limits() -> dict:
     threads = impl.num_threads()
     return {"threads": threads, "read_gbytes_per_s": read_bandwidth(threads), "sgemm_gflops": sgemm_rate(threads),
+            "fma_gflops": pagecheck_kernels.fma_peak_gflops(FMA_SECONDS),
             "read_bytes": READ_BYTES, "sgemm_n": SGEMM_N, "load_average": _load()}
 
 
@@ -76,7 +80,7 @@ def best_of(*measured: dict) -> dict:
     every load average."""
     out = dict(measured[0], load_average=[m["load_average"] for m in measured])
     for m in measured[1:]:
-        for key in ("read_gbytes_per_s", "sgemm_gflops"):
+        for key in ("read_gbytes_per_s", "sgemm_gflops", "fma_gflops"):
             out[key] = max(out[key], m[key])
     return out
 

@@ -18,6 +18,7 @@ ratios), `goals`, `wall_s`. A timed case has:
 | `bytes`, `gbytes_per_s`            | K/V read + Q + O + table entries (write: rows written), over the median |
 | `bandwidth_fraction` (decode)      | gbytes_per_s / the measured read bandwidth                 |
 | `flops`, `gflops`, `flops_fraction` (prefill) | causal QK^T + PV FLOPs over the median, / measured sgemm |
+| `fma_fraction` (prefill)           | gflops / the measured FMA peak of the kernels' threads (above 1: not float32 FMAs) |
 | `paged_speedup`                    | this path's median / paged's median on the same case       |
 """
 
@@ -37,19 +38,19 @@ def attention_cases(level: str, log=print) -> list[dict]:
     specs = grid.attention_specs(level)
     pools, rows = paths.Pools(specs), []
     for spec in specs:
-        case = None
+        skipped = {path: grid.skip_reason(spec, path) for path in grid.PATHS}
+        timed = [path for path in grid.PATHS if skipped[path] is None]
+        case = pools.case(spec)
+        times = timing.side_by_side({path: paths.make(path, case) for path in timed}, level)
         for path in grid.PATHS:
             row = {**spec.describe(), "path": path}
-            reason = grid.skip_reason(spec, path)
-            if reason:
-                rows.append({**row, "skipped": reason})
+            if skipped[path]:
+                rows.append({**row, "skipped": skipped[path]})
                 continue
-            case = case or pools.case(spec)
-            run = paths.make(path, case)
-            row.update(timing.summary(timing.measure(run, level)), bytes=spec.io_bytes(), flops=spec.flops())
-            del run
+            row.update(timing.summary(times[path]), bytes=spec.io_bytes(), flops=spec.flops())
             rows.append(row)
             log(f"  {spec.id:<36} {path:<13} {row['median_s'] * 1e3:10.3f} ms  ({row['rounds']} rounds)")
+        del case, times
     return rows
 
 
@@ -68,6 +69,7 @@ def _derive(cases: list[dict], limits: dict) -> None:
         c["gflops"] = c["flops"] / c["median_s"] / 1e9
         if c["op"] == "prefill":
             c["flops_fraction"] = c["gflops"] / limits["sgemm_gflops"]
+            c["fma_fraction"] = c["gflops"] / limits["fma_gflops"]
         base = paged.get((c["op"], c["batch"], c["context"], c["page_size"], c["dtype"]))
         if base:
             c["paged_speedup"] = c["median_s"] / base
@@ -109,6 +111,7 @@ def run(level: str, *, with_serving: bool = True, log=print) -> dict:
 def table(report: dict) -> str:
     lim = report["limits"]
     lines = [f"limits: read {lim['read_gbytes_per_s']:.1f} GB/s, sgemm {lim['sgemm_gflops']:.0f} GFLOP/s, "
+             f"FMA peak {lim['fma_gflops']:.0f} GFLOP/s, "
              f"{lim['threads']} threads, load average {lim['load_average']}; median ms (x: path / paged)",
              f"{'case':<34}{'paged':>10}{'frac':>7}" + "".join(f"{p:>17}" for p in grid.PATHS[1:])]
     by_case = {}

@@ -18,7 +18,8 @@ def smoke_report():
 
 def test_report_fields(smoke_report):
     assert {"machine", "limits", "level", "cases", "goals", "wall_s"} <= set(smoke_report)
-    assert smoke_report["limits"]["read_gbytes_per_s"] > 0 and smoke_report["limits"]["sgemm_gflops"] > 0
+    lim = smoke_report["limits"]
+    assert lim["read_gbytes_per_s"] > 0 and lim["sgemm_gflops"] > 0 and lim["fma_gflops"] > 0
     ops = {c["op"] for c in smoke_report["cases"]}
     assert ops == {"decode", "prefill", "write"}
     for c in smoke_report["cases"]:
@@ -27,6 +28,7 @@ def test_report_fields(smoke_report):
             assert 0 < c["bandwidth_fraction"] and c["gbytes_per_s"] > 0
         if "median_s" in c and c["op"] == "prefill":
             assert 0 < c["flops_fraction"] and c["gflops"] > 0
+            assert c["fma_fraction"] == pytest.approx(c["gflops"] / lim["fma_gflops"])
         if "median_s" in c and c["op"] != "write":
             assert c["paged_speedup"] > 0
     assert [g["goal"] for g in smoke_report["goals"]] == [g["goal"] for g in goals.evaluate(smoke_report)]
@@ -51,3 +53,20 @@ def test_plot(tmp_path, smoke_report):
     message = plot(smoke_report, str(png))
     assert message.startswith("plot written"), message
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _prefill(path, median_s, fma_fraction, dtype="bfloat16"):
+    return {"op": "prefill", "path": path, "batch": 1, "context": 512, "page_size": 16, "dtype": dtype,
+            "median_s": median_s, "fma_fraction": fma_fraction}
+
+
+def test_prefill_goal_names_torch_cases_above_the_fma_peak():
+    cases = [_prefill("paged", 4.0, 0.4), _prefill("torch_sdpa", 1.0, 1.6),
+             _prefill("paged", 2.0, 0.4, "float32"), _prefill("torch_sdpa", 3.0, 0.3, "float32")]
+    goal = next(g for g in goals.evaluate({"cases": cases}) if g["goal"] == "prefill: paged vs torch SDPA")
+    assert goal["measured"] == 0.25 and goal["met"] is False
+    assert "above this machine's float32 FMA peak in 1 case(s) (up to 1.60x the peak, B1 S512 ps16 bfloat16)" \
+        in goal["detail"]
+    below = [c if c["path"] == "paged" else {**c, "fma_fraction": 0.9} for c in cases]
+    goal = next(g for g in goals.evaluate({"cases": below}) if g["goal"] == "prefill: paged vs torch SDPA")
+    assert "FMA peak" not in goal["detail"]

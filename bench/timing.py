@@ -3,15 +3,23 @@
 One warm-up call is always made and timed; it sets how many timed rounds fit the level's
 budget per measurement, within [min, max] rounds:
 
-| level | budget per measurement | rounds   | a 4 s call         | a 30 s call        |
-|-------|------------------------|----------|--------------------|--------------------|
-| smoke | -                      | 1        | 1 (pytest: untimed) | 1 (pytest: untimed) |
-| quick | 0.6 s                  | 3 .. 60  | warm-up + 2 rounds | warm-up + 1 round  |
-| full  | 1.5 s                  | 3 .. 200 | warm-up + 2 rounds | warm-up + 1 round  |
+| level | budget per measurement | rounds    | a 4 s call         | a 30 s call        |
+|-------|------------------------|-----------|--------------------|--------------------|
+| smoke | -                      | 1         | 1 (pytest: untimed) | 1 (pytest: untimed) |
+| quick | 0.6 s                  | 3 .. 600  | warm-up + 2 rounds | warm-up + 1 round  |
+| full  | 1.5 s                  | 3 .. 3000 | warm-up + 2 rounds | warm-up + 1 round  |
 
-With few rounds p95 is the slowest round (nearest rank). Calls slower than `SLOW_S`
-get `min_rounds - 1` rounds, slower than `VERY_SLOW_S` one: their spread is small next
-to their length (dense_gather prefill at L 2048 takes ~30 s here).
+The cap only stops runaway counts: a 0.1 ms call gets its whole budget (the old cap of
+200 rounds timed such a call for 20 ms, so one burst of another job could double its
+median). With few rounds p95 is the slowest round (nearest rank). Calls slower than
+`SLOW_S` get `min_rounds - 1` rounds, slower than `VERY_SLOW_S` one: their spread is
+small next to their length (dense_gather prefill at L 2048 takes ~30 s here).
+
+`side_by_side` times the paths of one case in turns (PASSES passes, each path's rounds
+split evenly over them) rather than one path after the other, so a burst of load from
+another job lands on every path alike instead of on whichever path was running then.
+Each turn starts with one untimed call, so no path is timed on caches and spinning
+threads left behind by the previous one.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ import statistics
 import time
 
 BUDGET_S = {"smoke": 0.0, "quick": 0.6, "full": 1.5}
-ROUNDS = {"smoke": (1, 1), "quick": (3, 60), "full": (3, 200)}
+ROUNDS = {"smoke": (1, 1), "quick": (3, 600), "full": (3, 3000)}
+PASSES = {"smoke": 1, "quick": 4, "full": 5}
 SLOW_S = 2.0
 VERY_SLOW_S = 10.0
 
@@ -42,10 +51,23 @@ def rounds_for(first_s: float, level: str) -> int:
     return max(low, min(high, math.ceil(BUDGET_S[level] / max(first_s, 1e-9))))
 
 
-def measure(fn, level: str) -> list[float]:
-    """Warm-up once, then the adaptive number of timed rounds; returns their seconds."""
-    first = timed(fn)
-    return [timed(fn) for _ in range(rounds_for(first, level))]
+def side_by_side(runs: dict, level: str) -> dict:
+    """{name: seconds of each timed round} for zero-argument callables timed in turns.
+
+    Each is warmed up (timed, to size its rounds) first; then PASSES[level] passes give
+    every callable its share of rounds, one untimed call ahead of each share."""
+    rounds = {name: rounds_for(timed(fn), level) for name, fn in runs.items()}
+    times = {name: [] for name in runs}
+    passes = PASSES[level]
+    for i in range(passes):
+        for name, fn in runs.items():
+            share = rounds[name] * (i + 1) // passes - rounds[name] * i // passes
+            if share == 0:
+                continue
+            if i > 0 and len(runs) > 1:
+                fn()  # settle after the previous path's turn
+            times[name] += [timed(fn) for _ in range(share)]
+    return times
 
 
 def summary(times) -> dict:

@@ -1,6 +1,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/variant.h>
 
+#include "fma_peak.h"
 #include "kernel.h"
 #include "paged_attention.h"
 #include "pool_update.h"
@@ -23,6 +24,8 @@ NB_MODULE(_kernels, m) {
         "How many pool updates had to copy a whole pool (0 on the in-place path).");
   m.def("num_threads", &pagecheck::num_threads, "Worker threads used by the kernels.");
   m.def("set_num_threads", &pagecheck::set_num_threads, "n"_a, "Set the kernels' worker count.");
+  m.def("fma_peak_gflops", &pagecheck::fma_peak_gflops, "seconds"_a = 0.3, nb::call_guard<nb::gil_scoped_release>(),
+        "GFLOP/s of independent fused multiply-add chains on the kernels' threads (benchmark limit).");
   m.attr("CHUNK") = pagecheck::kChunk;
   m.attr("LANES") = pagecheck::kLanes;
   m.attr("DECODE_MAX_L") = pagecheck::kDecodeMaxL;

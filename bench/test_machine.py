@@ -1,0 +1,37 @@
+"""bench/machine.py's FMA peak: a ceiling that our own float32 kernel never exceeds."""
+
+import time
+
+import mlx.core as mx
+import pagecheck_kernels
+import pytest
+
+import impl
+from bench.grid import Spec
+from fixtures import paged_case
+
+
+def _prefill_gflops(repeats: int = 5) -> float:
+    """Best GFLOP/s of a small causal f32 prefill through the kernel (FLOPs as the grid counts them)."""
+    heads = dict(q_heads=8, kv_heads=2, head_dim=128)
+    case = paged_case(context_lens=[512], query_len=512, page_size=16, dtype="float32", seed=3, **heads)
+    flops = Spec("prefill", 1, 512, 16, "float32", 512).flops() * heads["q_heads"] // 32  # grid counts Hq 32
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(impl.paged_attention(case.query, case.key_pages, case.value_pages, case.block_table,
+                                     case.context_lens, case.page_size))
+        best = min(best, time.perf_counter() - t0)
+    return flops / best / 1e9
+
+
+def test_fma_peak_is_above_what_the_kernel_reaches():
+    peak = pagecheck_kernels.fma_peak_gflops(0.2)
+    achieved = _prefill_gflops()
+    assert achieved > 0 and peak > achieved, f"FMA peak {peak:.1f} GFLOP/s under the kernel's own {achieved:.1f}"
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, 61.0, float("nan")])
+def test_fma_peak_rejects_bad_durations(seconds):
+    with pytest.raises(ValueError, match="seconds must be in"):
+        pagecheck_kernels.fma_peak_gflops(seconds)

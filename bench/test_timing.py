@@ -1,0 +1,74 @@
+"""bench/timing.py: round counts from the budget, and paths timed in turns."""
+
+import itertools
+
+import pytest
+
+from bench import timing
+
+
+def test_rounds_follow_the_budget_not_a_small_cap():
+    assert timing.rounds_for(1e-4, "full") == 3000  # 1.5 s / 0.1 ms = 15000: capped
+    assert timing.rounds_for(1e-3, "full") == 1500  # the whole budget
+    assert timing.rounds_for(1e-3, "quick") == 600
+    assert timing.rounds_for(1.0, "full") == 3  # the minimum
+    assert timing.rounds_for(3.0, "full") == 2 and timing.rounds_for(30.0, "full") == 1
+    assert timing.rounds_for(1e-4, "smoke") == 1
+
+
+def _fake_paths(monkeypatch, seconds):
+    """Paths whose warm-up 'takes' seconds[path]; returns (paths, log of (path, timed?))."""
+    log, timing_now = [], [False]
+
+    def fake_timed(fn):
+        timing_now[0] = True
+        fn()
+        timing_now[0] = False
+        return seconds[fn.path]
+
+    def make(path):
+        def fn():
+            log.append((path, timing_now[0]))
+        fn.path = path
+        return fn
+
+    monkeypatch.setattr(timing, "timed", fake_timed)
+    return {p: make(p) for p in seconds}, log
+
+
+@pytest.mark.parametrize("level", ["quick", "full"])
+def test_side_by_side_takes_turns(monkeypatch, level):
+    """Each path gets rounds_for(warm-up) timed rounds, split evenly over the passes in
+    turns; every turn after the first pass starts with one untimed call."""
+    seconds = {"fast": 0.01, "mid": 0.05, "slow": 0.1}  # every path has rounds in every pass
+    paths, log = _fake_paths(monkeypatch, seconds)
+    times = timing.side_by_side(paths, level)
+
+    want = {p: timing.rounds_for(s, level) for p, s in seconds.items()}
+    assert {p: len(t) for p, t in times.items()} == want
+    assert log[:3] == [("fast", True), ("mid", True), ("slow", True)], "warm-ups first, each timed"
+    turns = [(p, [t for _, t in group]) for p, group in itertools.groupby(log[3:], key=lambda c: c[0])]
+    passes = timing.PASSES[level]
+    assert [p for p, _ in turns] == ["fast", "mid", "slow"] * passes, "one turn per path per pass, in order"
+    for i, (path, calls) in enumerate(turns):
+        assert calls.count(False) == (0 if i < 3 else 1) and (i < 3 or calls[0] is False)
+    for path, rounds in want.items():
+        shares = [calls.count(True) for p, calls in turns if p == path]
+        assert sum(shares) == rounds and max(shares) - min(shares) <= 1, f"{path}: uneven split {shares}"
+
+
+def test_side_by_side_slow_path_runs_once(monkeypatch):
+    """A 30 s call: its warm-up and one timed round, with at most one untimed settle call."""
+    paths, log = _fake_paths(monkeypatch, {"slow": 30.0, "fast": 0.01})
+    times = timing.side_by_side(paths, "full")
+    assert len(times["slow"]) == 1 and len(times["fast"]) == timing.rounds_for(0.01, "full")
+    slow = [t for p, t in log if p == "slow"]
+    assert slow.count(True) == 2 and slow.count(False) <= 1
+
+
+def test_side_by_side_single_path_has_no_settle_calls(monkeypatch):
+    calls = []
+    monkeypatch.setattr(timing, "timed", lambda fn: (fn(), 0.5)[1])
+    times = timing.side_by_side({"only": lambda: calls.append(1)}, "full")
+    assert len(times["only"]) == timing.rounds_for(0.5, "full") == 3
+    assert len(calls) == 1 + 3
