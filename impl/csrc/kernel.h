@@ -107,7 +107,7 @@ inline void load_query_rows(const Problem& pr, const typename E::T* q, int b, co
 struct Scratch {
   static constexpr int kScoreStride = kChunk + kBlock;  // a block may run past the chunk's keys
 
-  std::vector<float> q32, scores, chunk_ml, chunk_o, acc_ml, acc_o, block;
+  std::vector<float> q32, scores, chunk_ml, chunk_o, acc_ml, acc_o, block, chunk_values;
   // Never written: the readable stand-ins for the missing keys of a block, per element size.
   std::vector<float> zeros;
   std::vector<uint16_t> zeros16;
@@ -243,6 +243,51 @@ inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const
   if (h0 >= 0) visit(h0, jb0, n0, nullptr);
 }
 
+// The weighted values of one chunk when a head has many rows (prefill): rows that see
+// the same keys [a, z) of the chunk are weighed together, kRowBlock at a time, over all
+// of those keys in one call, so their outputs stay in registers across the chunk instead
+// of being loaded and stored again for every block of 16 keys (that traffic held the
+// block-by-block loop at about half the multiply-add rate). The chunk's V rows are read
+// in place (float32) or widened once into scratch. Every output element still adds
+// p_j v_j for j ascending from a, one fused multiply-add each: the same bits as the
+// block-by-block walk. Spans depend only on a row's position, so a query block of 16
+// positions has at most 16 of them in a chunk, whatever the GQA group.
+template <class E>
+void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t* off, int jlo, int jhi,
+                    int rows, int heads, const int* clo, const int* chi, Scratch& s, float* o) {
+  const int D = pr.D, per_head = rows / heads, n = jhi - jlo;
+  const int64_t stride = Scratch::kScoreStride;
+  const float* values[kChunk];
+  for (int h = 0; h < heads; ++h) {
+    const typename E::T* vh = vpool + h * pr.head_slice();
+    if constexpr (std::is_same_v<E, F32>) {
+      for (int j = 0; j < n; ++j) values[j] = vh + off[j];
+    } else {
+      s.chunk_values.resize(static_cast<size_t>(kChunk) * D);
+      for (int j = 0; j < n; ++j) {
+        float* row = s.chunk_values.data() + static_cast<int64_t>(j) * D;
+        widen<E>(vh + off[j], row, D);
+        values[j] = row;
+      }
+    }
+    RowGroups groups;
+    const auto weigh_group = [&](RowGroups::Group& g) {
+      weigh_rows<F32>(values + (g.a - jlo), g.p, g.n, g.z - g.a, g.o, D);
+      g.n = 0;
+    };
+    for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
+      if (clo[r] >= chi[r]) continue;
+      RowGroups::Group& g = groups.open(clo[r], chi[r]);
+      g.p[g.n] = s.scores.data() + r * stride + (clo[r] - jlo);
+      g.o[g.n++] = o + static_cast<int64_t>(r) * D;
+      if (g.n == kRowBlock) weigh_group(g);
+    }
+    for (int i = 0; i < groups.count; ++i) {
+      if (groups.list[i].n > 0) weigh_group(groups.list[i]);
+    }
+  }
+}
+
 // Attention of `rows` query rows over the keys of one chunk, for `heads` consecutive KV
 // heads: rows [h * rows / heads, (h + 1) * rows / heads) read KV head h (counted from
 // the head `off` points at). clo/chi: each row's visible keys clipped to the chunk
@@ -251,12 +296,15 @@ inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const
 // ml[2r+1] = l (0 when the row sees no key here), o[r*D ...]. K/V come in blocks of up
 // to 16 keys (for_blocks) so a block is loaded (and widened) once for all rows of the
 // GQA group, and each block asks for the next one while it computes (for_blocks_ahead).
+// values_by_group: weigh the values group by group over the whole chunk instead
+// (weigh_by_group; for callers with many rows per head whose K/V stay in cache).
 // Keys a row cannot see are never used, and keys outside [jlo, jhi) never read: their
 // slots may hold NaN (REFERENCE.md invariant 9).
 template <class E>
 void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename E::T* vpool,
                   const int64_t* off, int jlo, int jhi, const float* q32, int rows, int heads,
-                  const int* clo, const int* chi, Scratch& s, float* ml, float* o) {
+                  const int* clo, const int* chi, Scratch& s, float* ml, float* o,
+                  bool values_by_group = false) {
   using T = typename E::T;
   const int D = pr.D, per_head = rows / heads;
   const int64_t stride = Scratch::kScoreStride;
@@ -302,6 +350,10 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     ml[2 * r + 1] = lane_sum(sc, clo[r], n);
   }
   // Weighted values, ascending j for every row.
+  if (values_by_group) {
+    weigh_by_group<E>(pr, vpool, off, jlo, jhi, rows, heads, clo, chi, s, o);
+    return;
+  }
   for_blocks_ahead<E>(pr, vpool, off, jlo, jhi, heads, zero_row, [&](int h, int jb, int n, const T* const* next) {
     const T* vh = vpool + h * head_stride;
     block.point(vh, off + (jb - jlo), n, D, widen_once, s);

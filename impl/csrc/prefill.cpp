@@ -61,7 +61,7 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T*
       if (jlo >= jhi) continue;
       resolve_rows(pr, task.b, task.g, jlo, jhi, s.off.data());
       attend_chunk<E>(pr, kpool, vpool, s.off.data(), jlo, jhi, s.q32.data(), R, 1, s.clo.data(),
-                      s.chi.data(), s, s.chunk_ml.data(), s.chunk_o.data());
+                      s.chi.data(), s, s.chunk_ml.data(), s.chunk_o.data(), /*values_by_group=*/true);
       for (int r = 0; r < R; ++r) {
         merge_state(s.acc_ml[2 * r], s.acc_ml[2 * r + 1], s.acc_o.data() + static_cast<int64_t>(r) * D,
                     s.chunk_ml[2 * r], s.chunk_ml[2 * r + 1],
