@@ -66,7 +66,7 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
       slots += Hkv;
     }
   }
-  std::vector<float> part_ml(slots * R * 2), part_o(slots * R * D);
+  AlignedVector<float> part_ml(slots * R * 2), part_o(slots * R * D);
 
   parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
     const ChunkTask& task = tasks[t];
