@@ -199,7 +199,10 @@ struct RowGroups {
     const float* p[kRowBlock];
     float* o[kRowBlock];
   };
-  Group list[kBlock * (kBlock + 1) / 2 + 1];  // at most one per distinct span in a block
+  // At most one per distinct span: a block of 16 keys has at most this many, and a
+  // chunk seen by a prefill query block at most one per position (prefill.cpp).
+  static constexpr int kCapacity = kBlock * (kBlock + 1) / 2 + 1;
+  Group list[kCapacity];
   int count = 0;
 
   Group& open(int a, int z) {
@@ -267,9 +270,9 @@ inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const
 // block-by-block loop at about half the multiply-add rate). The chunk's V rows are read
 // in place (float32) or widened once into scratch. Every output element still adds
 // p_j v_j for j ascending from a, one fused multiply-add each: the same bits as the
-// block-by-block walk. Spans depend only on a row's position, so a query block of 16
-// positions has at most 16 of them in a chunk, whatever the GQA group. Float32 rows
-// that start mid cache line are copied too (line_aligned).
+// block-by-block walk. Spans depend only on a row's position, so a prefill query block
+// has at most one per position in a chunk, whatever the GQA group. Float32 rows that
+// start mid cache line are copied too (line_aligned).
 template <class E>
 void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t* off, int jlo, int jhi,
                     int rows, int heads, const int* clo, const int* chi, Scratch& s, float* o) {
