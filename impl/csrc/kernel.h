@@ -348,8 +348,10 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     const auto score_selected = [&] {
       block.scores(qs, nsel, D, ss, next);
       next = nullptr;  // asked for by the first rows
-      for (int i = 0; i < nsel; ++i)
-        for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
+      if (pr.score_sign < 0.f) {  // a negative scale; times +1 would change no bit
+        for (int i = 0; i < nsel; ++i)
+          for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
+      }
       nsel = 0;
     };
     for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
