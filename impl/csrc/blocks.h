@@ -25,6 +25,7 @@
 // once instead (widen_rows, then E = F32). See BlockRows in kernel.h.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -170,10 +171,10 @@ inline void scores16_block(const float* const* q, const typename E::T* const* ro
 // NR rows x NV output vectors (columns d0 .. d0 + 16 NV) in registers across the keys.
 template <class E, int NR, int NV>
 inline void weigh_block(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int d0,
-                        const typename E::T* const* next) {
+                        const typename E::T* const* next, bool fresh) {
   __m512 acc[NR][NV];
   for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_loadu_ps(o[r] + d0 + v * kLanes);
+    for (int v = 0; v < NV; ++v) acc[r][v] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(o[r] + d0 + v * kLanes);
   for (int j = 0; j < n; ++j) {
     __m512 vj[NV];
     for (int v = 0; v < NV; ++v) {
@@ -191,13 +192,13 @@ inline void weigh_block(const typename E::T* const* rows, const float* const* p,
 
 template <class E, int NR>
 inline void weigh_rows_nr(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int D,
-                          const typename E::T* const* next) {
+                          const typename E::T* const* next, bool fresh) {
   for (int d0 = 0; d0 < D; d0 += 4 * kLanes) {
     switch ((D - d0) / kLanes) {
-      case 1: weigh_block<E, NR, 1>(rows, p, n, o, d0, next); break;
-      case 2: weigh_block<E, NR, 2>(rows, p, n, o, d0, next); break;
-      case 3: weigh_block<E, NR, 3>(rows, p, n, o, d0, next); break;
-      default: weigh_block<E, NR, 4>(rows, p, n, o, d0, next); break;
+      case 1: weigh_block<E, NR, 1>(rows, p, n, o, d0, next, fresh); break;
+      case 2: weigh_block<E, NR, 2>(rows, p, n, o, d0, next, fresh); break;
+      case 3: weigh_block<E, NR, 3>(rows, p, n, o, d0, next, fresh); break;
+      default: weigh_block<E, NR, 4>(rows, p, n, o, d0, next, fresh); break;
     }
   }
 }
@@ -260,21 +261,26 @@ inline void scores16_rows(const float* const* q, int nr, const typename E::T* co
 }
 
 // weigh for nr <= kRowBlock rows over the same n keys: o[r][d] += p[r][j] * rows[j][d].
+// fresh: the rows' outputs start from zero (what o held is ignored, never read), as if
+// o had been zeroed first: the same operations, without the zeroing pass and the loads.
 template <class E>
 inline void weigh_rows(const typename E::T* const* rows, const float* const* p, int nr, int n, float* const* o, int D,
-                       const typename E::T* const* next = nullptr) {
+                       const typename E::T* const* next = nullptr, bool fresh = false) {
 #if defined(__AVX512F__)
   if (D % kLanes == 0) {
     switch (nr) {
-      case 1: weigh_rows_nr<E, 1>(rows, p, n, o, D, next); return;
-      case 2: weigh_rows_nr<E, 2>(rows, p, n, o, D, next); return;
-      case 3: weigh_rows_nr<E, 3>(rows, p, n, o, D, next); return;
-      default: weigh_rows_nr<E, 4>(rows, p, n, o, D, next); return;
+      case 1: weigh_rows_nr<E, 1>(rows, p, n, o, D, next, fresh); return;
+      case 2: weigh_rows_nr<E, 2>(rows, p, n, o, D, next, fresh); return;
+      case 3: weigh_rows_nr<E, 3>(rows, p, n, o, D, next, fresh); return;
+      default: weigh_rows_nr<E, 4>(rows, p, n, o, D, next, fresh); return;
     }
   }
 #endif
   (void)next;
-  for (int r = 0; r < nr; ++r) weigh<E>(rows, p[r], n, o[r], D);
+  for (int r = 0; r < nr; ++r) {
+    if (fresh) std::fill(o[r], o[r] + D, 0.f);
+    weigh<E>(rows, p[r], n, o[r], D);
+  }
 }
 
 #if defined(__AVX512F__)

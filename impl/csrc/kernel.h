@@ -293,7 +293,7 @@ void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t
     }
     RowGroups groups;
     const auto weigh_group = [&](RowGroups::Group& g) {
-      weigh_rows<F32>(values + (g.a - jlo), g.p, g.n, g.z - g.a, g.o, D);
+      weigh_rows<F32>(values + (g.a - jlo), g.p, g.n, g.z - g.a, g.o, D, nullptr, /*fresh=*/true);
       g.n = 0;
     };
     for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
@@ -335,7 +335,9 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   for (int r = 0; r < rows; ++r) {
     ml[2 * r] = kNegInf;
     ml[2 * r + 1] = 0.f;
-    std::fill(o + static_cast<int64_t>(r) * D, o + static_cast<int64_t>(r + 1) * D, 0.f);
+    // weigh_by_group starts each row that sees a key from zero itself; a row that sees
+    // none keeps l == 0, so merge_state never reads its o.
+    if (!values_by_group) std::fill(o + static_cast<int64_t>(r) * D, o + static_cast<int64_t>(r + 1) * D, 0.f);
   }
   const T* zero_row = s.zero_row<T>();
   for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, zero_row, [&](int h, int jb, int n, const T* const* next) {
