@@ -35,3 +35,18 @@ def test_fma_peak_is_above_what_the_kernel_reaches():
 def test_fma_peak_rejects_bad_durations(seconds):
     with pytest.raises(ValueError, match="seconds must be in"):
         pagecheck_kernels.fma_peak_gflops(seconds)
+
+
+def test_read_limit_streams_four_times_the_last_level_cache(tmp_path, monkeypatch):
+    """The read limit must come from memory, not from a cache it fits in."""
+    from bench import machine
+    files = []
+    for i, size in enumerate(["48K", "32K", "2048K", "307200K"]):
+        f = tmp_path / f"index{i}_size"
+        f.write_text(size + "\n")
+        files.append(str(f))
+    monkeypatch.setattr(machine.glob, "glob", lambda pattern: files)
+    assert machine.last_level_cache_bytes() == 307200 * 1024
+    assert machine.read_bytes() == 4 * 307200 * 1024
+    monkeypatch.setattr(machine.glob, "glob", lambda pattern: [])
+    assert machine.last_level_cache_bytes() is None and machine.read_bytes() == machine.MIN_READ_BYTES

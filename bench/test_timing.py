@@ -1,6 +1,7 @@
 """bench/timing.py: round counts from the budget, and paths timed in turns."""
 
 import itertools
+import time
 
 import pytest
 
@@ -33,6 +34,7 @@ def _fake_paths(monkeypatch, seconds):
         return fn
 
     monkeypatch.setattr(timing, "timed", fake_timed)
+    monkeypatch.setattr(timing, "SETTLE_S", 0.0)  # one settle call per turn (see test_settle_*)
     return {p: make(p) for p in seconds}, log
 
 
@@ -72,3 +74,19 @@ def test_side_by_side_single_path_has_no_settle_calls(monkeypatch):
     times = timing.side_by_side({"only": lambda: calls.append(1)}, "full")
     assert len(times["only"]) == timing.rounds_for(0.5, "full") == 3
     assert len(calls) == 1 + 3
+
+
+def test_settle_repeats_a_short_call_for_settle_s(monkeypatch):
+    monkeypatch.setattr(timing, "SETTLE_S", 0.02)
+    starts = []
+    t0 = time.perf_counter()
+    timing.settle(lambda: (starts.append(time.perf_counter()), time.sleep(0.002)))
+    assert len(starts) >= 2 and time.perf_counter() - t0 >= 0.02, "calls again until SETTLE_S has passed"
+    assert all(t - t0 < 0.02 for t in starts), "no call starts after SETTLE_S"
+
+
+def test_settle_calls_a_long_call_once(monkeypatch):
+    monkeypatch.setattr(timing, "SETTLE_S", 0.005)
+    calls = []
+    timing.settle(lambda: (calls.append(1), time.sleep(0.01)))
+    assert len(calls) == 1

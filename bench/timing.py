@@ -18,8 +18,10 @@ small next to their length (dense_gather prefill at L 2048 takes ~30 s here).
 `side_by_side` times the paths of one case in turns (PASSES passes, each path's rounds
 split evenly over them) rather than one path after the other, so a burst of load from
 another job lands on every path alike instead of on whichever path was running then.
-Each turn starts with one untimed call, so no path is timed on caches and spinning
-threads left behind by the previous one.
+Each turn starts with untimed calls for at least SETTLE_S (one call at least), so no path
+is timed on caches or beside spinning threads left behind by the previous one: torch's
+OpenMP workers keep spinning for milliseconds after a call, and an earlier attempt that
+alternated paths round by round measured whichever path came next 2-4x slower.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 BUDGET_S = {"smoke": 0.0, "quick": 0.6, "full": 1.5}
 ROUNDS = {"smoke": (1, 1), "quick": (3, 600), "full": (3, 3000)}
 PASSES = {"smoke": 1, "quick": 4, "full": 5}
+SETTLE_S = 0.03
 SLOW_S = 2.0
 VERY_SLOW_S = 10.0
 
@@ -51,11 +54,19 @@ def rounds_for(first_s: float, level: str) -> int:
     return max(low, min(high, math.ceil(BUDGET_S[level] / max(first_s, 1e-9))))
 
 
+def settle(fn) -> None:
+    """Untimed calls until SETTLE_S has passed (at least one)."""
+    t0 = time.perf_counter()
+    fn()
+    while time.perf_counter() - t0 < SETTLE_S:
+        fn()
+
+
 def side_by_side(runs: dict, level: str) -> dict:
     """{name: seconds of each timed round} for zero-argument callables timed in turns.
 
     Each is warmed up (timed, to size its rounds) first; then PASSES[level] passes give
-    every callable its share of rounds, one untimed call ahead of each share."""
+    every callable its share of rounds, untimed calls for SETTLE_S ahead of each share."""
     rounds = {name: rounds_for(timed(fn), level) for name, fn in runs.items()}
     times = {name: [] for name in runs}
     passes = PASSES[level]
@@ -65,7 +76,7 @@ def side_by_side(runs: dict, level: str) -> dict:
             if share == 0:
                 continue
             if i > 0 and len(runs) > 1:
-                fn()  # settle after the previous path's turn
+                settle(fn)
             times[name] += [timed(fn) for _ in range(share)]
     return times
 
