@@ -20,52 +20,45 @@ namespace {
 // room (and fit the 32 vector registers of AVX-512, the 16 of AVX2 spill a few).
 constexpr int kChains = 24;
 
+// The widest vector of the build, and the three operations the chains need.
 #if defined(__AVX512F__)
+using Vec = __m512;
 constexpr int kWidth = 16;
-inline float run_chains(int64_t iters, float seed) {
-  __m512 a[kChains];
-  for (int i = 0; i < kChains; ++i) a[i] = _mm512_set1_ps(seed + i);
-  const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-6f);
-  for (int64_t n = 0; n < iters; ++n) {
-#pragma GCC unroll 24  // every chain in its own register, not a load-FMA-store through memory
-    for (int i = 0; i < kChains; ++i) a[i] = _mm512_fmadd_ps(a[i], m, c);
-  }
-  float sum = 0.f;
-  for (int i = 0; i < kChains; ++i) sum += _mm512_reduce_add_ps(a[i]);
-  return sum;
-}
+inline Vec splat(float x) { return _mm512_set1_ps(x); }
+inline Vec fma_vec(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float total(Vec v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__FMA__)
+using Vec = __m256;
 constexpr int kWidth = 8;
-inline float run_chains(int64_t iters, float seed) {
-  __m256 a[kChains];
-  for (int i = 0; i < kChains; ++i) a[i] = _mm256_set1_ps(seed + i);
-  const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-6f);
-  for (int64_t n = 0; n < iters; ++n) {
-#pragma GCC unroll 24
-    for (int i = 0; i < kChains; ++i) a[i] = _mm256_fmadd_ps(a[i], m, c);
-  }
+inline Vec splat(float x) { return _mm256_set1_ps(x); }
+inline Vec fma_vec(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float total(Vec v) {
   alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
   float sum = 0.f;
-  for (int i = 0; i < kChains; ++i) {
-    _mm256_store_ps(lanes, a[i]);
-    for (float x : lanes) sum += x;
-  }
+  for (float x : lanes) sum += x;
   return sum;
 }
 #else
+using Vec = float;
 constexpr int kWidth = 1;
+inline Vec splat(float x) { return x; }
+inline Vec fma_vec(Vec a, Vec b, Vec c) { return fmadd(a, b, c); }
+inline float total(Vec v) { return v; }
+#endif
+
 inline float run_chains(int64_t iters, float seed) {
-  float a[kChains];
-  for (int i = 0; i < kChains; ++i) a[i] = seed + i;
+  Vec a[kChains];
+  for (int i = 0; i < kChains; ++i) a[i] = splat(seed + i);
+  const Vec m = splat(0.999999f), c = splat(1e-6f);
   for (int64_t n = 0; n < iters; ++n) {
-#pragma GCC unroll 24
-    for (int i = 0; i < kChains; ++i) a[i] = fmadd(a[i], 0.999999f, 1e-6f);
+#pragma GCC unroll 24  // every chain in its own register, not a load-FMA-store through memory
+    for (int i = 0; i < kChains; ++i) a[i] = fma_vec(a[i], m, c);
   }
   float sum = 0.f;
-  for (float x : a) sum += x;
+  for (int i = 0; i < kChains; ++i) sum += total(a[i]);
   return sum;
 }
-#endif
 
 // Where every chain's result goes, so that no compiler can drop the arithmetic.
 std::atomic<uint32_t> g_sink{0};
