@@ -50,3 +50,18 @@ def test_read_limit_streams_four_times_the_last_level_cache(tmp_path, monkeypatc
     assert machine.read_bytes() == 4 * 307200 * 1024
     monkeypatch.setattr(machine.glob, "glob", lambda pattern: [])
     assert machine.last_level_cache_bytes() is None and machine.read_bytes() == machine.MIN_READ_BYTES
+
+
+def test_huge_pages_keeps_values_and_skips_small_buffers():
+    """bench.paths.huge_pages only changes how a buffer is mapped, never what it holds."""
+    import numpy as np
+    from bench import paths
+    big = mx.random.normal((3 * (2 << 20) // 4 + 5,), key=mx.random.key(1))
+    half = big.astype(mx.bfloat16)
+    mx.eval(big, half)
+    before = (np.array(big), np.array(half.view(mx.uint16)))
+    assert isinstance(paths.huge_pages(big, half), bool)
+    assert (np.array(big) == before[0]).all() and (np.array(half.view(mx.uint16)) == before[1]).all()
+    small = mx.ones((16,))
+    mx.eval(small)
+    assert paths.huge_pages(small) is False, "no whole 2 MiB page inside a 64-byte buffer"
