@@ -85,10 +85,10 @@ def sgemm_rate(threads: int, n: int = SGEMM_N) -> float:
 
 
 def limits() -> dict:
-    threads = impl.num_threads()
-    return {"threads": threads, "read_gbytes_per_s": read_bandwidth(threads), "sgemm_gflops": sgemm_rate(threads),
-            "fma_gflops": pagecheck_kernels.fma_peak_gflops(FMA_SECONDS),
-            "read_bytes": read_bytes(), "sgemm_n": SGEMM_N, "load_average": _load()}
+    threads, nbytes = impl.num_threads(), read_bytes()
+    return {"threads": threads, "read_gbytes_per_s": read_bandwidth(threads, nbytes),
+            "sgemm_gflops": sgemm_rate(threads), "fma_gflops": pagecheck_kernels.fma_peak_gflops(FMA_SECONDS),
+            "read_bytes": nbytes, "sgemm_n": SGEMM_N, "load_average": _load()}
 
 
 def _load() -> float | None:

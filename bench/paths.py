@@ -89,6 +89,10 @@ def _dense_gather(case):
     return lambda: case.run(dense_attention)
 
 
+HUGE_PAGE = 2 << 20
+MADV_COLLAPSE = 25  # Linux 6.1+: collapse the range into huge pages now
+
+
 def huge_pages(*arrays) -> bool:
     """Moves evaluated MLX arrays onto 2 MiB pages where Linux allows (madvise
     MADV_COLLAPSE on the 2 MiB-aligned part of each buffer; values unchanged). Returns
@@ -103,10 +107,6 @@ def huge_pages(*arrays) -> bool:
         last = (raw.ctypes.data + raw.nbytes) // HUGE_PAGE * HUGE_PAGE
         done &= last > first and libc.madvise(first, last - first, MADV_COLLAPSE) == 0
     return done
-
-
-HUGE_PAGE = 2 << 20
-MADV_COLLAPSE = 25  # Linux 6.1+: collapse the range into huge pages now
 
 
 @functools.lru_cache(maxsize=None)

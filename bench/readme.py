@@ -99,7 +99,7 @@ def render(report: dict) -> str:
         out.append(f"| {g['goal']} | {measured} | {target} | **{goals_mod.verdict(g)}** | {g['detail']} |")
     out += ["", "Decode (Hq 32, Hkv 8, D 128, one new token per request): median ms; in parentheses, that "
             "path's time over paged's; bandwidth counts K/V read + Q + O, against the read rate over "
-            f"{lim.get('read_bytes', 256 * 10**6) / 2**30:.2f} GiB, 4x the last-level cache (above 100%: the "
+            f"{lim['read_bytes'] / 2**30:.2f} GiB, 4x the last-level cache (above 100%: the "
             "K/V of the case fit in that cache).", ""]
     out += _attention_table(cases, "decode")
     out += ["", "Prefill (B 1, causal, L = S): median ms, as above.", ""]

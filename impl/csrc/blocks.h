@@ -343,9 +343,10 @@ inline void widen(const typename E::T* src, float* dst, int D) {
   for (; d < D; ++d) dst[d] = E::load(src[d]);
 }
 
-// Float32 copies of up to 16 K or V rows, widened once into `buf` (16 x D floats; a
-// float32 row is copied, for rows that start mid cache line: see line_aligned). The
-// missing rows of a short block point at `zeros` (a readable row of zeros).
+// Float32 copies of n K or V rows (a block's 16, or a chunk's for weigh_by_group),
+// widened once into `buf` (n x D floats; a float32 row is copied, for rows that start
+// mid cache line: see line_aligned). The missing rows of a short block point at `zeros`
+// (a readable row of zeros).
 template <class E>
 inline void widen_rows(const typename E::T* pool, const int64_t* off, int n, int D, float* buf,
                        const float* zeros, const float** rows) {
@@ -365,8 +366,9 @@ inline bool line_aligned(const T* row, int D) {
   return (reinterpret_cast<uintptr_t>(row) | (static_cast<uintptr_t>(D) * sizeof(T))) % 64 == 0;
 }
 
-// Pointers to up to 16 K or V rows of the pool, read in place whatever the element
-// type; the missing rows of a short block point at `zeros` (a readable row of zeros).
+// Pointers to n K or V rows of the pool (a block's 16, or a chunk's), read in place
+// whatever the element type; the missing rows of a short block point at `zeros` (a
+// readable row of zeros).
 template <class E>
 inline void pool_rows(const typename E::T* pool, const int64_t* off, int n, const typename E::T* zeros,
                       const typename E::T** rows) {

@@ -281,15 +281,14 @@ void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t
   const float* values[kChunk];
   for (int h = 0; h < heads; ++h) {
     const typename E::T* vh = vpool + h * pr.head_slice();
-    if (std::is_same_v<E, F32> && line_aligned(vh + off[0], D)) {
-      for (int j = 0; j < n; ++j) values[j] = reinterpret_cast<const float*>(vh + off[j]);
-    } else {
+    bool in_place = false;
+    if constexpr (std::is_same_v<E, F32>) {
+      in_place = line_aligned(vh + off[0], D);
+      if (in_place) pool_rows<F32>(vh, off, n, s.zeros.data(), values);
+    }
+    if (!in_place) {
       s.chunk_values.resize(static_cast<size_t>(kChunk) * D);
-      for (int j = 0; j < n; ++j) {
-        float* row = s.chunk_values.data() + static_cast<int64_t>(j) * D;
-        widen<E>(vh + off[j], row, D);
-        values[j] = row;
-      }
+      widen_rows<E>(vh, off, n, D, s.chunk_values.data(), s.zeros.data(), values);
     }
     RowGroups groups;
     const auto weigh_group = [&](RowGroups::Group& g) {
