@@ -7,6 +7,8 @@
 | `fma_gflops`          | the kernels' own threads issuing independent fused multiply-add chains at the build's widest vectors (`pagecheck_kernels.fma_peak_gflops`, best of the repeats in 0.5 s): the arithmetic ceiling of any float32 FMA kernel, ours included. numpy's sgemm reaches well under it here, so a rate above sgemm is not yet a rate near the machine's limit; a peer above it is not using float32 FMAs at all (torch's bf16 SDPA runs on AMX tiles) |
 
 Best-of, not median: a limit is what the machine can do, and the machine is shared.
+A decode case's `bandwidth_fraction` is taken against the same read (`ReadStream`)
+timed in turns beside it instead (bench/report.py), so that both see the same load.
 """
 
 from __future__ import annotations
@@ -61,18 +63,38 @@ def read_bytes() -> int:
     return max(MIN_READ_BYTES, 4 * (last_level_cache_bytes() or 0))
 
 
+class ReadStream:
+    """One call reads `nbytes` (default `read_bytes()`) of float32 once: a numpy max over
+    `threads` slices on as many threads (one compare per element: the loads, not the
+    arithmetic, bound it). The read limit, and the reference a decode case is timed
+    beside (bench/report.py)."""
+
+    def __init__(self, threads: int, nbytes: int | None = None):
+        self.data = np.ones((nbytes or read_bytes()) // 4, dtype=np.float32)
+        self.nbytes = self.data.nbytes
+        self._slices = np.array_split(self.data, threads)
+        self._pool = ThreadPoolExecutor(threads)
+
+    def __call__(self):
+        return list(self._pool.map(np.max, self._slices))
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        self.data = self._slices = None
+
+
 def read_bandwidth(threads: int, nbytes: int | None = None, repeat: int = 7) -> float:
-    """GB/s of a threaded numpy max over `nbytes` of float32 (one compare per element:
-    the loads, not the arithmetic, bound it)."""
-    data = np.ones((nbytes or read_bytes()) // 4, dtype=np.float32)
-    chunks = np.array_split(data, threads)
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
+    """GB/s of the best of `repeat` ReadStream calls."""
+    stream = ReadStream(threads, nbytes)
+    try:
+        best = float("inf")
         for _ in range(repeat):
             t0 = time.perf_counter()
-            list(pool.map(np.max, chunks))
+            stream()
             best = min(best, time.perf_counter() - t0)
-    return data.nbytes / best / 1e9
+        return stream.nbytes / best / 1e9
+    finally:
+        stream.close()
 
 
 def sgemm_rate(threads: int, n: int = SGEMM_N) -> float:

@@ -98,9 +98,10 @@ def render(report: dict) -> str:
         measured, target = goals_mod.describe(g)
         out.append(f"| {g['goal']} | {measured} | {target} | **{goals_mod.verdict(g)}** | {g['detail']} |")
     out += ["", "Decode (Hq 32, Hkv 8, D 128, one new token per request): median ms; in parentheses, that "
-            "path's time over paged's; bandwidth counts K/V read + Q + O, against the read rate over "
-            f"{lim['read_bytes'] / 2**30:.2f} GiB, 4x the last-level cache (above 100%: the "
-            "K/V of the case fit in that cache).", ""]
+            "path's time over paged's; bandwidth counts K/V read + Q + O, against the rate of a read of "
+            f"{lim['read_bytes'] / 2**30:.2f} GiB (4x the last-level cache) timed in turns beside the case, "
+            "so that both see the same load from other jobs (above 100%: the K/V of the case fit in "
+            "that cache).", ""]
     out += _attention_table(cases, "decode")
     out += ["", "Prefill (B 1, causal, L = S): median ms, as above.", ""]
     out += _attention_table(cases, "prefill")

@@ -16,7 +16,9 @@ ratios), `goals`, `wall_s`. A timed case has:
 | `op`, `path`, `batch`, `context`, `page_size`, `dtype`, `query_len` | the call (write: `tokens`, `pool_mib`) |
 | `median_s`, `p95_s`, `min_s`, `rounds` | latency over the timed rounds (after one warm-up)        |
 | `bytes`, `gbytes_per_s`            | K/V read + Q + O + table entries (write: rows written), over the median |
-| `bandwidth_fraction` (decode)      | gbytes_per_s / the measured read bandwidth                 |
+| `read_gbytes_per_s` (decode)       | the read limit's stream (bench/machine.py) timed in turns beside this case: its median rate |
+| `bandwidth_fraction` (decode)      | gbytes_per_s / read_gbytes_per_s (the same load on both)  |
+| `limit_fraction` (decode)          | gbytes_per_s / the run's best read rate (`limits`)          |
 | `flops`, `gflops`, `flops_fraction` (prefill) | causal QK^T + PV FLOPs over the median, / measured sgemm |
 | `fma_fraction` (prefill)           | gflops / the measured FMA peak of the kernels' threads (above 1: not float32 FMAs) |
 | `paged_speedup`                    | this path's median / paged's median on the same case       |
@@ -29,28 +31,48 @@ import json
 import sys
 import time
 
+import impl
+
 from . import goals as goals_mod
 from . import grid, machine, paths, timing, write
 from .readme import median_cell as _ms
 
 
+READ = "read"  # the read limit's stream, timed beside each decode case
+
+
 def attention_cases(level: str, log=print) -> list[dict]:
+    """Times every case's paths in turns (timing.side_by_side); a decode case also times
+    the read limit's stream (machine.ReadStream) in the same turns, and its rows carry
+    that read's rate as `read_gbytes_per_s`: a burst of load from another job then slows
+    the decode and the reference alike instead of the decode alone."""
     specs = grid.attention_specs(level)
     pools, rows = paths.Pools(specs), []
-    for spec in specs:
-        skipped = {path: grid.skip_reason(spec, path) for path in grid.PATHS}
-        timed = [path for path in grid.PATHS if skipped[path] is None]
-        case = pools.case(spec)
-        times = timing.side_by_side({path: paths.make(path, case) for path in timed}, level)
-        for path in grid.PATHS:
-            row = {**spec.describe(), "path": path}
-            if skipped[path]:
-                rows.append({**row, "skipped": skipped[path]})
-                continue
-            row.update(timing.summary(times[path]), bytes=spec.io_bytes(), flops=spec.flops())
-            rows.append(row)
-            log(f"  {spec.id:<36} {path:<13} {row['median_s'] * 1e3:10.3f} ms  ({row['rounds']} rounds)")
-        del case, times
+    reader = machine.ReadStream(impl.num_threads()) if any(s.op == "decode" for s in specs) else None
+    try:
+        for spec in specs:
+            skipped = {path: grid.skip_reason(spec, path) for path in grid.PATHS}
+            timed = [path for path in grid.PATHS if skipped[path] is None]
+            case = pools.case(spec)
+            runs = {path: paths.make(path, case) for path in timed}
+            if spec.op == "decode":
+                runs[READ] = reader
+            times = timing.side_by_side(runs, level)
+            read = {}
+            if READ in times:
+                read["read_gbytes_per_s"] = reader.nbytes / timing.summary(times[READ])["median_s"] / 1e9
+            for path in grid.PATHS:
+                row = {**spec.describe(), "path": path}
+                if skipped[path]:
+                    rows.append({**row, "skipped": skipped[path]})
+                    continue
+                row.update(timing.summary(times[path]), bytes=spec.io_bytes(), flops=spec.flops(), **read)
+                rows.append(row)
+                log(f"  {spec.id:<36} {path:<13} {row['median_s'] * 1e3:10.3f} ms  ({row['rounds']} rounds)")
+            del case, runs, times
+    finally:
+        if reader is not None:
+            reader.close()
     return rows
 
 
@@ -65,7 +87,8 @@ def _derive(cases: list[dict], limits: dict) -> None:
             c["bandwidth_fraction"] = c["gbytes_per_s"] / limits["read_gbytes_per_s"]
             continue
         if c["op"] == "decode":
-            c["bandwidth_fraction"] = c["gbytes_per_s"] / limits["read_gbytes_per_s"]
+            c["bandwidth_fraction"] = c["gbytes_per_s"] / c.get("read_gbytes_per_s", limits["read_gbytes_per_s"])
+            c["limit_fraction"] = c["gbytes_per_s"] / limits["read_gbytes_per_s"]
         c["gflops"] = c["flops"] / c["median_s"] / 1e9
         if c["op"] == "prefill":
             c["flops_fraction"] = c["gflops"] / limits["sgemm_gflops"]

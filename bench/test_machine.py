@@ -1,4 +1,4 @@
-"""bench/machine.py's FMA peak: a ceiling that our own float32 kernel never exceeds."""
+"""bench/machine.py: the FMA peak (a ceiling our own float32 kernel never exceeds), the read limit."""
 
 import time
 
@@ -65,3 +65,15 @@ def test_huge_pages_keeps_values_and_skips_small_buffers():
     small = mx.ones((16,))
     mx.eval(small)
     assert paths.huge_pages(small) is False, "no whole 2 MiB page inside a 64-byte buffer"
+
+
+def test_read_stream_reads_every_slice_once_per_call():
+    """The read the decode cases are timed beside: every element read (a max per thread's
+    slice), the whole buffer counted, and closing it frees the buffer and its threads."""
+    from bench import machine
+    stream = machine.ReadStream(threads=3, nbytes=4 * 1000)
+    stream.data[[10, 500, 999]] = [7.0, 8.0, 9.0]
+    assert stream.nbytes == 4000
+    assert sorted(stream()) == [7.0, 8.0, 9.0]
+    stream.close()
+    assert stream.data is None
