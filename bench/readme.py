@@ -64,14 +64,16 @@ def _rows(cases, op):
 
 
 def _attention_table(cases, op) -> list[str]:
-    rate = "GB/s (of read bw)" if op == "decode" else "GFLOP/s (of sgemm; of FMA peak)"
+    rate = "GB/s (of the read timed beside it; of the run's best read)" if op == "decode" else \
+        "GFLOP/s (of sgemm; of FMA peak)"
     extra = [] if op == "decode" else ["torch GFLOP/s (of FMA peak)"]
     head = ["dtype", "B", "S" if op == "decode" else "L = S", "page", "paged ms", f"paged {rate}", *PATHS[1:], *extra]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (dtype, b, s, ps), row in _rows(cases, op).items():
         p = row.get("paged", {})
         if "median_s" in p:
-            rate_text = f"{p['gbytes_per_s']:.3g} ({p['bandwidth_fraction']:.0%})" if op == "decode" else \
+            rate_text = f"{p['gbytes_per_s']:.3g} ({p['bandwidth_fraction']:.0%}; {p['limit_fraction']:.0%})" \
+                if op == "decode" else \
                 f"{p['gflops']:.3g} ({p['flops_fraction']:.0%}; {_of_peak(p)})"
         else:
             rate_text = "-"

@@ -69,6 +69,7 @@ def test_prefill_goal_names_torch_cases_above_the_fma_peak():
     assert goal["measured"] == 0.25 and goal["met"] is False
     assert "above this machine's float32 FMA peak in 1 case(s) (up to 1.60x the peak, B1 S512 ps16 bfloat16)" \
         in goal["detail"]
+    assert "worst per dtype: bfloat16 0.25x, float32 1.50x" in goal["detail"]
     below = [c if c["path"] == "paged" else {**c, "fma_fraction": 0.9} for c in cases]
     goal = next(g for g in goals.evaluate({"cases": below}) if g["goal"] == "prefill: paged vs torch SDPA")
     assert "FMA peak" not in goal["detail"]
