@@ -12,21 +12,19 @@ with `fixtures.paged_case` at the grid's largest batch and context, pages in ran
 each spec reads the first `batch` rows of its table, cut at its context.
 
 Every large input a path reads — the pool, and the K/V gathered beforehand for
-`mlx_sdpa` and `torch_sdpa` — sits on 2 MiB pages (`huge_pages`), as numpy's own large
-arrays do by default (the read-bandwidth limit is measured on one): MLX's buffers get
-4 KiB pages, and a decode that jumps between scattered 64 KiB pages of a 4 GiB pool then
-spends a tenth of its time in page walks (B 4, S 32768, page 16, f32: 45.7 -> 41.8 ms).
+`mlx_sdpa` and `torch_sdpa` — sits on 2 MiB pages (`huge_pages`), as `impl.PagePool`'s
+storage and numpy's own large arrays do (the read-bandwidth limit is measured on one):
+MLX's buffers get 4 KiB pages, and a decode that jumps between scattered 64 KiB pages of
+a 4 GiB pool then spends a tenth of its time in page walks (B 4, S 32768, page 16, f32:
+45.7 -> 41.8 ms).
 `dense_gather` allocates its copies inside the timed call, as it would in use.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import sys
-
 import mlx.core as mx
 import numpy as np
+import pagecheck_kernels
 
 import impl
 from fixtures import paged_case
@@ -89,33 +87,11 @@ def _dense_gather(case):
     return lambda: case.run(dense_attention)
 
 
-HUGE_PAGE = 2 << 20
-MADV_COLLAPSE = 25  # Linux 6.1+: collapse the range into huge pages now
-
-
 def huge_pages(*arrays) -> bool:
-    """Moves evaluated MLX arrays onto 2 MiB pages where Linux allows (madvise
-    MADV_COLLAPSE on the 2 MiB-aligned part of each buffer; values unchanged). Returns
-    whether every array was collapsed; elsewhere it does nothing and returns False."""
-    libc = _libc()
-    if libc is None:
-        return False
-    done = True
-    for a in arrays:
-        raw = np.asarray(a.view(mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a)
-        first = -(-raw.ctypes.data // HUGE_PAGE) * HUGE_PAGE
-        last = (raw.ctypes.data + raw.nbytes) // HUGE_PAGE * HUGE_PAGE
-        done &= last > first and libc.madvise(first, last - first, MADV_COLLAPSE) == 0
-    return done
-
-
-@functools.lru_cache(maxsize=None)
-def _libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
+    """Moves evaluated MLX arrays onto 2 MiB pages where Linux allows (values unchanged;
+    `pagecheck_kernels.huge_pages`, as `impl.PagePool` does for its own storage).
+    Returns whether every array was moved."""
+    return all([pagecheck_kernels.huge_pages(a) for a in arrays])
 
 
 def _gathered(case):

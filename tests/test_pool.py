@@ -1,8 +1,11 @@
 """PageAllocator and PagePool: capacity, allocate / share / free bookkeeping, exact
 writes and page copies, in-place updates. Every check compares the whole state."""
 
+import sys
+
 import mlx.core as mx
 import numpy as np
+import pagecheck_kernels
 import pytest
 
 from fixtures.serving import (assert_same_state, changed_slots, make_pool, pool_rows, pool_state,
@@ -206,3 +209,41 @@ def test_freed_pages_poisoned_only_when_free(poison):
     for layer in range(2):
         page0 = np.array(pool.keys(layer))[0], np.array(pool.values(layer))[0]
         assert all(np.isnan(x).all() for x in page0) == poison
+
+
+def _huge_page_kib(array: mx.array) -> int:
+    """AnonHugePages (KiB) of the mapping holding the first 2 MiB boundary inside `array`."""
+    start = np.asarray(array).ctypes.data
+    inside = -(-start // (2 << 20)) * (2 << 20)
+    found = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                found = lo <= inside < hi
+            elif found and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def _collapses() -> bool:
+    """Whether this Linux moves a buffer onto 2 MiB pages on request (THP on, 6.1+)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    probe = mx.zeros((4 << 20,))  # 16 MiB
+    return pagecheck_kernels.huge_pages(probe)
+
+
+@pytest.mark.skipif(not _collapses(), reason="this system does not move buffers onto 2 MiB pages on request")
+def test_large_pool_sits_on_huge_pages_and_writes_keep_it_there():
+    """Storage of several 2 MiB pages is moved onto them at construction (a decode jumps
+    between scattered pages; each jump on 4 KiB pages is a page walk), values unchanged."""
+    pool = make_pool(num_layers=1, kv_heads=8, head_dim=128, page_size=16, num_pages=128)  # 8 MiB a layer
+    pool.allocate(2)
+    for x in (pool.keys(0), pool.values(0)):
+        assert _huge_page_kib(x) >= 2048 and np.isnan(np.array(x)).all()
+    pool.write(0, [0, 17], pool_rows(pool, 2), pool_rows(pool, 2, seed=1))
+    mx.eval(pool.keys(0), pool.values(0))
+    assert _huge_page_kib(pool.keys(0)) >= 2048 and _huge_page_kib(pool.values(0)) >= 2048
+    assert (np.array(pool.keys(0))[0, :, 0] == np.array(pool_rows(pool, 1))[0]).all()

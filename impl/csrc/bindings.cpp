@@ -2,6 +2,7 @@
 #include <nanobind/stl/variant.h>
 
 #include "fma_peak.h"
+#include "huge_pages.h"
 #include "kernel.h"
 #include "paged_attention.h"
 #include "pool_update.h"
@@ -26,6 +27,18 @@ NB_MODULE(_kernels, m) {
   m.def("set_num_threads", &pagecheck::set_num_threads, "n"_a, "Set the kernels' worker count.");
   m.def("fma_peak_gflops", &pagecheck::fma_peak_gflops, "seconds"_a = 0.3, nb::call_guard<nb::gil_scoped_release>(),
         "GFLOP/s of independent fused multiply-add chains on the kernels' threads (benchmark limit).");
+  m.def(
+      "huge_pages",
+      [](mlx::core::array a) {
+        a.eval();
+        // Only a buffer the array fills: a broadcast or strided view's nbytes() is not
+        // the size of the memory behind it.
+        if (!a.flags().row_contiguous || a.data_size() != a.size()) return false;
+        return pagecheck::huge_pages(a.data<void>(), a.nbytes(), /*now=*/true);
+      },
+      "array"_a,
+      "Evaluates `array` and moves the 2 MiB-aligned interior of its buffer onto 2 MiB pages now "
+      "(Linux madvise MADV_HUGEPAGE + MADV_COLLAPSE; values unchanged). Returns whether Linux took it.");
   m.attr("CHUNK") = pagecheck::kChunk;
   m.attr("LANES") = pagecheck::kLanes;
   m.attr("DECODE_MAX_L") = pagecheck::kDecodeMaxL;
