@@ -241,9 +241,13 @@ def test_large_pool_sits_on_huge_pages_and_writes_keep_it_there():
     between scattered pages; each jump on 4 KiB pages is a page walk), values unchanged."""
     pool = make_pool(num_layers=1, kv_heads=8, head_dim=128, page_size=16, num_pages=128)  # 8 MiB a layer
     pool.allocate(2)
-    for x in (pool.keys(0), pool.values(0)):
-        assert _huge_page_kib(x) >= 2048 and np.isnan(np.array(x)).all()
+    assert _huge_page_kib(pool.keys(0)) >= 2048 and _huge_page_kib(pool.values(0)) >= 2048
+    assert np.isnan(np.array(pool.keys(0))).all() and np.isnan(np.array(pool.values(0))).all()
+    # No reference to a layer may outlive the checks: the write would copy it (see
+    # test_writes_stay_in_place), and the copy is a fresh buffer on 4 KiB pages.
+    copies = pool_copies()
     pool.write(0, [0, 17], pool_rows(pool, 2), pool_rows(pool, 2, seed=1))
     mx.eval(pool.keys(0), pool.values(0))
+    assert pool_copies() == copies
     assert _huge_page_kib(pool.keys(0)) >= 2048 and _huge_page_kib(pool.values(0)) >= 2048
     assert (np.array(pool.keys(0))[0, :, 0] == np.array(pool_rows(pool, 1))[0]).all()
