@@ -216,6 +216,31 @@ struct RowGroups {
   }
 };
 
+// Calls weigh(g) for the rows [r0, r1) that see keys of [w0, w1), gathered into groups
+// of up to kRowBlock rows that see the same keys [a, z) of it (their spans clipped to
+// [w0, w1)): g.p[i] points at row i's score of key a (scores start at key jlo), g.o[i] at
+// its output. A group is weighed as soon as it is full, the partial ones at the end.
+template <class Weigh>
+inline void weigh_in_groups(int r0, int r1, int w0, int w1, const int* clo, const int* chi, int jlo,
+                            const float* scores, float* o, int D, Weigh&& weigh) {
+  RowGroups groups;
+  const auto flush = [&](RowGroups::Group& g) {
+    weigh(g);
+    g.n = 0;
+  };
+  for (int r = r0; r < r1; ++r) {
+    const int a = std::max(clo[r], w0), z = std::min(chi[r], w1);
+    if (a >= z) continue;
+    RowGroups::Group& g = groups.open(a, z);
+    g.p[g.n] = scores + static_cast<int64_t>(r) * Scratch::kScoreStride + (a - jlo);
+    g.o[g.n++] = o + static_cast<int64_t>(r) * D;
+    if (g.n == kRowBlock) flush(g);
+  }
+  for (int i = 0; i < groups.count; ++i) {
+    if (groups.list[i].n > 0) flush(groups.list[i]);
+  }
+}
+
 // Calls visit(h, jb, n) for every head h < heads and every block [jb, jb + n) of at most
 // kBlock keys of [jlo, jhi), in the pool's address order (a page is [Hkv, page_size, D]):
 // page by page, and within a page head by head, so a call streams whole pages rather
@@ -271,12 +296,11 @@ inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const
 // p_j v_j for j ascending from a, one fused multiply-add each: the same bits as the
 // block-by-block walk. Spans depend only on a row's position, so a prefill query block
 // has at most one per position in a chunk, whatever the GQA group. Float32 rows that
-// start mid cache line are copied too (line_aligned).
+// start mid cache line are copied too (read_in_place).
 template <class E>
 void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t* off, int jlo, int jhi,
                     int rows, int heads, const int* clo, const int* chi, Scratch& s, float* o) {
   const int D = pr.D, per_head = rows / heads, n = jhi - jlo;
-  const int64_t stride = Scratch::kScoreStride;
   const float* values[kChunk];
   for (int h = 0; h < heads; ++h) {
     const typename E::T* vh = vpool + h * pr.head_slice();
@@ -288,21 +312,10 @@ void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t
       s.chunk_values.resize(static_cast<size_t>(kChunk) * D);
       widen_rows<E>(vh, off, n, D, s.chunk_values.data(), s.zeros.data(), values);
     }
-    RowGroups groups;
-    const auto weigh_group = [&](RowGroups::Group& g) {
-      weigh_rows<F32>(values + (g.a - jlo), g.p, g.n, g.z - g.a, g.o, D, nullptr, /*fresh=*/true);
-      g.n = 0;
-    };
-    for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
-      if (clo[r] >= chi[r]) continue;
-      RowGroups::Group& g = groups.open(clo[r], chi[r]);
-      g.p[g.n] = s.scores.data() + r * stride + (clo[r] - jlo);
-      g.o[g.n++] = o + static_cast<int64_t>(r) * D;
-      if (g.n == kRowBlock) weigh_group(g);
-    }
-    for (int i = 0; i < groups.count; ++i) {
-      if (groups.list[i].n > 0) weigh_group(groups.list[i]);
-    }
+    weigh_in_groups(h * per_head, (h + 1) * per_head, jlo, jhi, clo, chi, jlo, s.scores.data(), o, D,
+                    [&](const RowGroups::Group& g) {
+                      weigh_rows<F32>(values + (g.a - jlo), g.p, g.n, g.z - g.a, g.o, D, nullptr, /*fresh=*/true);
+                    });
   }
 }
 
@@ -390,23 +403,11 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     // Rows that see the same keys [a, z) of this block share their V loads: gather
     // them into groups of up to kRowBlock (a causal block has a few distinct spans;
     // the GQA heads of one position always share theirs).
-    RowGroups groups;
-    const auto weigh_group = [&](RowGroups::Group& g) {
-      block.weigh(g.a - jb, g.p, g.n, g.z - g.a, g.o, D, next);
-      next = nullptr;
-      g.n = 0;
-    };
-    for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
-      const int a = std::max(clo[r], jb), z = std::min(chi[r], jb + n);
-      if (a >= z) continue;
-      RowGroups::Group& g = groups.open(a, z);
-      g.p[g.n] = s.scores.data() + r * stride + (a - jlo);
-      g.o[g.n++] = o + static_cast<int64_t>(r) * D;
-      if (g.n == kRowBlock) weigh_group(g);
-    }
-    for (int i = 0; i < groups.count; ++i) {
-      if (groups.list[i].n > 0) weigh_group(groups.list[i]);
-    }
+    weigh_in_groups(h * per_head, (h + 1) * per_head, jb, jb + n, clo, chi, jlo, s.scores.data(), o, D,
+                    [&](const RowGroups::Group& g) {
+                      block.weigh(g.a - jb, g.p, g.n, g.z - g.a, g.o, D, next);
+                      next = nullptr;
+                    });
   });
 }
 

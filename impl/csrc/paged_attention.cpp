@@ -75,7 +75,6 @@ mx::array paged_attention(const mx::array& query, const mx::array& key_pages,
                    std::move(inputs));
 }
 
-
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   // MLX's CPU allocator gives buffers of 32 MiB and more back to the system when they are
