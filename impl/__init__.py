@@ -3,14 +3,17 @@ cache and scheduler that drive it)."""
 
 from .attention import paged_attention, paged_attention_with_metadata
 from .errors import ContractViolation
-from .runtime import num_threads, set_num_threads
+from .runtime import amx_enabled, amx_supported, num_threads, set_amx, set_num_threads
 from .validation import PagedMetadata
 
 __all__ = [
     "ContractViolation",
+    "amx_enabled",
+    "amx_supported",
     "PagedMetadata",
     "num_threads",
     "paged_attention",
     "paged_attention_with_metadata",
+    "set_amx",
     "set_num_threads",
 ]

@@ -22,3 +22,26 @@ def set_num_threads(n: int) -> None:
     if n < 1:
         raise ValueError(f"number of threads must be >= 1, got {n}")
     _kernels.set_num_threads(n)
+
+
+def amx_supported() -> bool:
+    """Whether bfloat16 calls can run on AMX tiles here: a build with AVX512-BF16, a CPU
+    with AMX-BF16, and Linux granting the process the tile state."""
+    return _kernels.amx_supported()
+
+
+def amx_enabled() -> bool:
+    """Whether bfloat16 calls (head dim a multiple of 32) run on AMX tiles now. On where
+    supported, unless `$PAGECHECK_AMX` was 0 when the kernels loaded."""
+    return _kernels.amx_enabled()
+
+
+def set_amx(on: bool) -> None:
+    """Switch the tile path of bfloat16 calls on or off for the calls evaluated after it.
+
+    The tile path is its own canonical arithmetic (impl/csrc/amx.h): invariants 6-8 hold
+    within it, its bits differ from the float32-FMA path's. On raises ValueError where
+    `amx_supported()` is false."""
+    if not isinstance(on, bool):
+        raise ValueError(f"set_amx takes True or False, got {on!r}")
+    _kernels.set_amx(on)

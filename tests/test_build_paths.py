@@ -5,6 +5,10 @@ canonical scalar arithmetic (numerics.h). This builds the kernels a second time 
 AVX-512 off (AVX2 + FMA, so fused multiply-adds round the same way), runs one set of
 cases through both builds in separate processes and compares a hash of the raw output
 bytes. The build is cached under build/avx2-check; the first run takes ~20 s.
+
+Both builds run with the AMX tile path off (PAGECHECK_AMX=0): the tiles are a second
+arithmetic for bfloat16 that no plain build can reproduce (impl/csrc/amx.h), checked
+on its own in test_amx.
 """
 
 import os
@@ -40,7 +44,7 @@ def _has(flag: str) -> bool:
 
 
 def _run(pythonpath: str) -> str:
-    env = {**os.environ, "PYTHONPATH": pythonpath}
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PAGECHECK_AMX": "0"}
     return subprocess.run([sys.executable, "-c", CASES], env=env, cwd=ROOT, capture_output=True,
                           text=True, check=True).stdout.strip()
 

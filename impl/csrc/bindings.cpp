@@ -1,6 +1,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/variant.h>
 
+#include "amx.h"
 #include "fma_peak.h"
 #include "huge_pages.h"
 #include "kernel.h"
@@ -25,6 +26,11 @@ NB_MODULE(_kernels, m) {
         "How many pool updates had to copy a whole pool (0 on the in-place path).");
   m.def("num_threads", &pagecheck::num_threads, "Worker threads used by the kernels.");
   m.def("set_num_threads", &pagecheck::set_num_threads, "n"_a, "Set the kernels' worker count.");
+  m.def("amx_supported", &pagecheck::amx_supported,
+        "Whether bfloat16 calls can run on AMX tiles here (build, CPU and Linux all allow it).");
+  m.def("amx_enabled", &pagecheck::amx_enabled, "Whether bfloat16 calls run on AMX tiles now.");
+  m.def("set_amx", &pagecheck::set_amx, "on"_a,
+        "Switch the AMX tile path of bfloat16 calls on or off (on raises ValueError where unsupported).");
   m.def("fma_peak_gflops", &pagecheck::fma_peak_gflops, "seconds"_a = 0.3, nb::call_guard<nb::gil_scoped_release>(),
         "GFLOP/s of independent fused multiply-add chains on the kernels' threads (benchmark limit).");
   m.def(

@@ -9,6 +9,9 @@
 // Chunk states land in a per-(b, c, g) slot; the merge pass reads a (b, g)'s slots in
 // ascending c, so neither the thread count, the head runs nor the other requests can
 // change the order of any floating-point operation.
+#include <optional>
+
+#include "amx.h"
 #include "kernel.h"
 #include "thread_pool.h"
 
@@ -67,6 +70,7 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
     }
   }
   AlignedVector<float> part_ml(slots * R * 2), part_o(slots * R * D);
+  const bool tiles = std::is_same_v<E, BF16> && amx_applies(pr);
 
   parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
     const ChunkTask& task = tasks[t];
@@ -86,11 +90,21 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
     }
     int jlo, jhi;
     clip_to_chunk(task.c, rows, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
-    load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), rows, s.q32.data());
     resolve_rows(pr, task.b, task.g0, jlo, jhi, s.off.data());
+    float* ml = part_ml.data() + task.slot * R * 2;
+    float* o = part_o.data() + task.slot * R * D;
+    if constexpr (std::is_same_v<E, BF16>) {
+      if (tiles) {
+        AmxTask amx(std::min(16, R));
+        amx_load_queries(pr, q, task.b, s.heads.data(), s.positions.data(), rows, task.heads, amx, s);
+        amx_attend_chunk(pr, kpool, vpool, s.off.data(), jlo, jhi, rows, task.heads, s.clo.data(), s.chi.data(),
+                         amx, s, ml, o);
+        return;
+      }
+    }
+    load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), rows, s.q32.data());
     attend_chunk<E>(pr, kpool, vpool, s.off.data(), jlo, jhi, s.q32.data(), rows, task.heads,
-                    s.clo.data(), s.chi.data(), s, part_ml.data() + task.slot * R * 2,
-                    part_o.data() + task.slot * R * D);
+                    s.clo.data(), s.chi.data(), s, ml, o);
   });
 
   parallel_for(static_cast<int64_t>(groups.size()), [&](int64_t gi) {

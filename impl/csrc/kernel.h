@@ -127,6 +127,10 @@ struct Scratch {
   static constexpr int kScoreStride = kChunk + kBlock;  // a block may run past the chunk's keys
 
   AlignedVector<float> q32, scores, chunk_ml, chunk_o, acc_ml, acc_o, block, chunk_values;
+  // The tile path's operands (amx.cpp): query rows, packed K blocks and V slabs, bf16
+  // weights, scores and stored accumulators.
+  AlignedVector<uint16_t> tile_q, tile_qt, tile_k, tile_v, tile_p;
+  AlignedVector<float> tile_s, tile_c;
   // Never written: the readable stand-ins for the missing keys of a block, per element size.
   AlignedVector<float> zeros;
   AlignedVector<uint16_t> zeros16;

@@ -7,6 +7,9 @@
 // The per-row arithmetic is attend_chunk + merge_state in ascending chunk order, the
 // same calls the decode schedule makes, so the last row of a prefill equals a
 // one-token decode at that position bit for bit (REFERENCE.md invariant 8).
+#include <optional>
+
+#include "amx.h"
 #include "kernel.h"
 #include "thread_pool.h"
 
@@ -30,6 +33,7 @@ template <class E>
 void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
                  const typename E::T* vpool, typename E::T* out, const std::vector<int>& live) {
   const int G = pr.group(), D = pr.D;
+  const bool tiles = std::is_same_v<E, BF16> && amx_applies(pr);
   std::vector<BlockTask> tasks;
   for (int b : live) {
     for (int g = 0; g < pr.Hkv; ++g) {
@@ -58,14 +62,29 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T*
         s.acc_ml[2 * r + 1] = 0.f;
       }
     }
-    load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), R, s.q32.data());
+    std::optional<AmxTask> amx;
+    if (tiles) {
+      amx.emplace(std::min(16, R));
+      if constexpr (std::is_same_v<E, BF16>)
+        amx_load_queries(pr, q, task.b, s.heads.data(), s.positions.data(), R, 1, *amx, s);
+    } else {
+      load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), R, s.q32.data());
+    }
     for (int c = lo_min / kChunk; c <= (hi_max - 1) / kChunk; ++c) {
       int jlo, jhi;
       clip_to_chunk(c, R, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
       if (jlo >= jhi) continue;
       resolve_rows(pr, task.b, task.g, jlo, jhi, s.off.data());
-      attend_chunk<E>(pr, kpool, vpool, s.off.data(), jlo, jhi, s.q32.data(), R, 1, s.clo.data(),
-                      s.chi.data(), s, s.chunk_ml.data(), s.chunk_o.data(), /*values_by_group=*/true);
+      if constexpr (std::is_same_v<E, BF16>) {
+        if (amx) {
+          amx_attend_chunk(pr, kpool, vpool, s.off.data(), jlo, jhi, R, 1, s.clo.data(), s.chi.data(), *amx, s,
+                           s.chunk_ml.data(), s.chunk_o.data());
+        }
+      }
+      if (!amx) {
+        attend_chunk<E>(pr, kpool, vpool, s.off.data(), jlo, jhi, s.q32.data(), R, 1, s.clo.data(),
+                        s.chi.data(), s, s.chunk_ml.data(), s.chunk_o.data(), /*values_by_group=*/true);
+      }
       for (int r = 0; r < R; ++r) {
         merge_state(s.acc_ml[2 * r], s.acc_ml[2 * r + 1], s.acc_o.data() + static_cast<int64_t>(r) * D,
                     s.chunk_ml[2 * r], s.chunk_ml[2 * r + 1],

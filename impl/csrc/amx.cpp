@@ -1,0 +1,561 @@
+// The bfloat16 tile path (amx.h): a chunk of keys for the rows of a task, in four
+// passes over operands packed into scratch.
+//
+//   pass     tiles                                   operands
+//   pack     -                                       K: 16-key blocks, [d pair][key] (B tiles)
+//                                                    V: 32-key slabs, [key pair][d] (B tiles)
+//   score    S[rows, 16 keys] += Q[rows, 32 d] K^T    up to 2 row tiles x 2 key blocks at once
+//   softmax  -                                       per row, numerics.h; weights rounded to bf16
+//   weigh    O[rows, 16 d] += P[rows, 32 keys] V      up to 2 row tiles x 2 d tiles at once
+//
+// Tile registers: C tiles tmm0-3 (row tile i, column tile j in tmm 2i + j), A tiles
+// tmm4-5 (row tiles), B tiles tmm6-7. Rows of a KV head are padded to whole row tiles
+// of M rows (padded(h, n)); padding rows hold zeros and are never copied out.
+#include "amx.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGECHECK_AMX_BUILD 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace pagecheck {
+
+#if defined(PAGECHECK_AMX_BUILD)
+
+namespace {
+
+bool ask_linux_for_tiles() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool amx_bf16 = d & (1u << 22), amx_tile = d & (1u << 24);
+  if (!amx_bf16 || !amx_tile) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+std::atomic<bool>& switched_on() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("PAGECHECK_AMX");
+    return amx_supported() && !(v != nullptr && std::strcmp(v, "0") == 0);
+  }()};
+  return on;
+}
+
+// The tile instructions, by register number. GCC's _tile_loadd tells the compiler
+// nothing about the memory it reads, so stores to a buffer could sink below the load
+// of it; every one of these is a compiler memory barrier.
+#define PC_TLOAD(t, p, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(p), "r"(static_cast<int64_t>(stride)) : "memory")
+#define PC_TSTORE(t, p, stride) \
+  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p), "r"(static_cast<int64_t>(stride)) : "memory")
+#define PC_TZERO(t) asm volatile("tilezero %%tmm" #t ::: "memory")
+#define PC_TDP(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int kKeyTile = 16;                    // keys per K block (columns of S)
+constexpr int kSlab = 32;                       // keys per V slab (the K side of one P x V step)
+constexpr int kBlocks = kChunk / kKeyTile;      // K blocks per chunk
+constexpr int kSlabs = kChunk / kSlab;          // V slabs per chunk
+constexpr int kTileElems = 512;                 // bf16 elements of one 1 KiB B tile
+constexpr int kScoreCols = kChunk + kKeyTile;   // a score row: key j at column j - c0
+constexpr int64_t kTileRowBytes = 64;
+
+// C[i][j] += A[i] B[j] over n steps (i < NA, j < NB): A[i] advances a_step elements and
+// B[j] b_step elements a step. The C tiles stay in registers between calls.
+template <int NA, int NB>
+inline void tiles_zero() {
+  PC_TZERO(0);
+  if constexpr (NB == 2) PC_TZERO(1);
+  if constexpr (NA == 2) PC_TZERO(2);
+  if constexpr (NA == 2 && NB == 2) PC_TZERO(3);
+}
+
+template <int NA, int NB>
+inline void tiles_steps(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, int64_t a_step, const uint16_t* b0,
+                        const uint16_t* b1, int64_t b_step, int n) {
+  for (int i = 0; i < n; ++i) {
+    PC_TLOAD(4, a0 + i * a_step, a_stride);
+    if constexpr (NA == 2) PC_TLOAD(5, a1 + i * a_step, a_stride);
+    PC_TLOAD(6, b0 + i * b_step, kTileRowBytes);
+    if constexpr (NB == 2) PC_TLOAD(7, b1 + i * b_step, kTileRowBytes);
+    PC_TDP(0, 4, 6);
+    if constexpr (NB == 2) PC_TDP(1, 4, 7);
+    if constexpr (NA == 2) PC_TDP(2, 5, 6);
+    if constexpr (NA == 2 && NB == 2) PC_TDP(3, 5, 7);
+  }
+}
+
+// c[i][j]: where C[i][j] goes (rows `stride` bytes apart).
+template <int NA, int NB>
+inline void tiles_store(float* const (&c)[2][2], int64_t stride) {
+  PC_TSTORE(0, c[0][0], stride);
+  if constexpr (NB == 2) PC_TSTORE(1, c[0][1], stride);
+  if constexpr (NA == 2) PC_TSTORE(2, c[1][0], stride);
+  if constexpr (NA == 2 && NB == 2) PC_TSTORE(3, c[1][1], stride);
+}
+
+// Calls f.template operator()<NA, NB>() for na, nb in {1, 2}.
+template <class F>
+inline void with_shape(int na, int nb, F&& f) {
+  if (na == 2) {
+    if (nb == 2) f.template operator()<2, 2>();
+    else f.template operator()<2, 1>();
+  } else {
+    if (nb == 2) f.template operator()<1, 2>();
+    else f.template operator()<1, 1>();
+  }
+}
+
+// In-place transpose of 16 x 16 32-bit elements: r[i] lane k becomes r[k] lane i.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // pairs of rows: (a0 b0 a1 b1 | a2 b2 a3 b3) per 128-bit lane
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + e], lane L: rows 4i .. 4i + 3 of column 4L + e
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  __m512i out[16];
+  for (int e = 0; e < 4; ++e) {  // column 4L + e gathers lane L of r[e], r[4 + e], r[8 + e], r[12 + e]
+    const __m512i ab_lo = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), ab_hi = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44),
+                  cd_hi = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+    out[e] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+    out[4 + e] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+    out[8 + e] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+    out[12 + e] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = out[i];
+}
+
+inline __mmask16 lanes_in(int first, int a, int z) {  // lanes k with a <= first + k < z
+  const int lo = std::clamp(a - first, 0, 16), hi = std::clamp(z - first, 0, 16);
+  return lo >= hi ? __mmask16(0) : __mmask16(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+// 2^x for x <= 0 (or NaN), for weights that are rounded to bfloat16 next: x = n + f
+// with n = round(x), a degree-4 polynomial for 2^f (relative error 2.9e-6, far below
+// the 2^-9 of that rounding; numerics.h's degree-6 one cost a third of the chunk time
+// here), scaled by 2^n. 2^0 is exactly 1, x below the float range gives 0, NaN stays NaN.
+inline __m512 exp2_weights(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.582852944731712e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5906426161527634e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024099111557007e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931241750717163e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Where one chunk's operands live in the task's scratch.
+struct Chunk {
+  const Problem& pr;
+  int N, M, RT, S, DT;  // rows per KV head, tile rows, row tiles per head, d steps, d tiles
+  int c0, jlo, jhi;
+  Scratch& s;
+
+  int padded(int h, int n) const { return h * RT * M + n; }
+  uint16_t* ktile(int h, int blk) { return s.tile_k.data() + (static_cast<int64_t>(h) * kBlocks + blk) * S * kTileElems; }
+  uint16_t* vtile(int h, int slab) { return s.tile_v.data() + (static_cast<int64_t>(h) * kSlabs + slab) * DT * kTileElems; }
+  float* score_row(int p) { return s.tile_s.data() + static_cast<int64_t>(p) * kScoreCols; }
+  uint16_t* weight_row(int p) { return s.tile_p.data() + static_cast<int64_t>(p) * kChunk; }
+  const uint16_t* query_row(int p) const { return s.tile_q.data() + static_cast<int64_t>(p) * pr.D; }
+};
+
+// The pool row of key j of KV head h, or a row of zeros outside [jlo, jhi).
+inline const uint16_t* key_row(const Chunk& c, const uint16_t* pool, const int64_t* off, int h, int j) {
+  if (j < c.jlo || j >= c.jhi) return c.s.zero_row<uint16_t>();
+  return pool + h * c.pr.head_slice() + off[j - c.jlo];
+}
+
+// The item of the walk read after this one (head h, slab u), or none (h < 0): each
+// load of this item asks for the matching line of that one, as ask_next (blocks.h)
+// does (B 1 S 1024 decode in the C++ harness: 0.138 -> 0.134 ms).
+struct Ahead {
+  int h = -1, u = 0;
+  void ask(const Chunk& c, const uint16_t* pool, const int64_t* off, int key, int d) const {
+    if (h >= 0) __builtin_prefetch(key_row(c, pool, off, h, c.c0 + u * kSlab + key) + d, 0, kPrefetchLocality);
+  }
+};
+
+// K block blk of head h as S B tiles: tile s, row p, column k holds the d pair
+// (32 s + 2 p, 32 s + 2 p + 1) of key c0 + 16 blk + k: a 16 x 16 transpose of 32-bit pairs.
+void pack_keys(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int blk, const Ahead& ahead) {
+  const uint16_t* rows[kKeyTile];
+  for (int k = 0; k < kKeyTile; ++k) rows[k] = key_row(c, kpool, off, h, c.c0 + blk * kKeyTile + k);
+  uint16_t* dst = c.ktile(h, blk);
+  for (int st = 0; st < c.S; ++st) {
+    __m512i r[16];
+    for (int k = 0; k < kKeyTile; ++k) {
+      r[k] = _mm512_loadu_si512(rows[k] + 32 * st);
+      ahead.ask(c, kpool, off, (blk % 2) * kKeyTile + k, 32 * st);
+    }
+    transpose16(r);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + st * kTileElems + p * 32, r[p]);
+  }
+}
+
+// V slab u of head h as DT B tiles: tile t, row i holds keys 2i and 2i + 1 of the slab
+// interleaved element by element over d = 16 t .. 16 t + 15.
+void pack_values(Chunk& c, const uint16_t* vpool, const int64_t* off, int h, int u, const Ahead& ahead) {
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  uint16_t* dst = c.vtile(h, u);
+  for (int i = 0; i < kSlab / 2; ++i) {
+    const int j = c.c0 + u * kSlab + 2 * i;
+    const uint16_t* a = key_row(c, vpool, off, h, j);
+    const uint16_t* b = key_row(c, vpool, off, h, j + 1);
+    for (int x = 0; x < c.pr.D / 32; ++x) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * x), vb = _mm512_loadu_si512(b + 32 * x);
+      ahead.ask(c, vpool, off, 2 * i, 32 * x);
+      ahead.ask(c, vpool, off, 2 * i + 1, 32 * x);
+      _mm512_storeu_si512(dst + (2 * x) * kTileElems + i * 32, _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_storeu_si512(dst + (2 * x + 1) * kTileElems + i * 32, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
+
+// The scores of head h's rows (one row tile: a decode) for the keys of slab u, as
+// S^T = K Q^T: the A tiles are 16 K rows straight from the pool (or copied, where 16
+// keys are not one run of rows), the B tile Q^T (amx_load_queries). Element (key, row)
+// of S^T takes the same products in the same order as (row, key) of S = Q K^T, and the
+// tiles give the same bits either way round (checked bit for bit: the decode and
+// prefill schedules agree, test_amx). Needs A and C tiles of 16 rows (task.reshape).
+void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int u, const int* clo,
+                const int* chi, const Ahead& ahead) {
+  int a = c.c0 + kChunk, z = c.c0;
+  for (int n = 0; n < c.N; ++n) {
+    const int r = h * c.N + n;
+    if (clo[r] < chi[r]) a = std::min(a, clo[r]), z = std::max(z, chi[r]);
+  }
+  const int blk0 = std::max(2 * u, (a - c.c0) / kKeyTile), blk1 = std::min(2 * u + 2, (z - 1 - c.c0) / kKeyTile + 1);
+  if (a >= z || blk0 >= blk1) return;
+  const uint16_t* src[2];
+  for (int blk = blk0; blk < blk1; ++blk) {
+    // The block's rows in the pool are one run when every key of [jlo, jhi) in it sits
+    // D elements after the previous one (a page of a multiple of 16 holds whole blocks);
+    // rows of it outside [jlo, jhi) are then still inside that page: read, never used.
+    const int j0 = std::max(c.jlo, c.c0 + blk * kKeyTile), j1 = std::min(c.jhi, c.c0 + (blk + 1) * kKeyTile);
+    bool run = c.pr.page_size % kKeyTile == 0;
+    for (int j = j0 + 1; run && j < j1; ++j) run = off[j - c.jlo] == off[j0 - c.jlo] + (j - j0) * c.pr.D;
+    const uint16_t* first = kpool + h * c.pr.head_slice() + off[j0 - c.jlo] - (j0 - c.c0 - blk * kKeyTile) * c.pr.D;
+    if (run) {
+      src[blk - blk0] = first;
+    } else {
+      uint16_t* copy = c.ktile(h, blk);
+      for (int k = 0; k < kKeyTile; ++k)
+        std::memcpy(copy + k * c.pr.D, key_row(c, kpool, off, h, c.c0 + blk * kKeyTile + k), c.pr.D * sizeof(uint16_t));
+      src[blk - blk0] = copy;
+    }
+    for (int k = 0; k < kKeyTile; ++k)
+      for (int d = 0; d < c.pr.D; d += 32) ahead.ask(c, kpool, off, (blk % 2) * kKeyTile + k, d);
+  }
+  float* tmp = c.s.tile_c.data();  // [2 blocks][16 keys][16 rows]
+  float* const dst[2][2] = {{tmp, tmp}, {tmp + 256, tmp + 256}};
+  const uint16_t* qt = c.s.tile_qt.data() + static_cast<int64_t>(h) * c.S * kTileElems;
+  with_shape(blk1 - blk0, 1, [&]<int NA, int NB>() {
+    tiles_zero<NA, NB>();
+    tiles_steps<NA, NB>(src[0], src[NA - 1], c.pr.D * 2, 32, qt, qt, kTileElems, c.S);
+    tiles_store<NA, NB>(dst, 64);
+  });
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int blk = blk0; blk < blk1; ++blk) {
+    for (int n = 0; n < c.N; ++n) {
+      const __m512 keys = _mm512_i32gather_ps(column, tmp + 256 * (blk - blk0) + n, 4);
+      _mm512_storeu_ps(c.score_row(c.padded(h, n)) + blk * kKeyTile, keys);
+    }
+  }
+}
+
+// Two row tiles of one KV head (or one: na), the unit of the score and weigh passes,
+// and the keys [a, z) its rows see (a >= z: none).
+struct TilePair {
+  int h, rt, na;
+  int a, z;
+  int p0, p1;  // padded rows of the first row of each tile
+};
+
+TilePair tile_pair(const Chunk& c, int h, int rt, const int* clo, const int* chi) {
+  TilePair t{h, rt, std::min(2, c.RT - rt), c.c0 + kChunk, c.c0, 0, 0};
+  t.p0 = c.padded(h, rt * c.M);
+  t.p1 = c.padded(h, (rt + t.na - 1) * c.M);
+  for (int n = rt * c.M; n < std::min(c.N, (rt + t.na) * c.M); ++n) {
+    const int r = h * c.N + n;
+    if (clo[r] >= chi[r]) continue;
+    t.a = std::min(t.a, clo[r]);
+    t.z = std::max(t.z, chi[r]);
+  }
+  return t;
+}
+
+// o of the pair's rows that see a key, columns 16 dt .. 16 (dt + nb), from tmp (row i of
+// row tile k at tmp + (16 k + i) * stride). Vector copies: a memcpy of this run-time
+// size became `rep movsq`, 10% of an L 2048 prefill.
+void copy_out(const Chunk& c, const TilePair& t, int dt, int nb, const float* tmp, int stride, const int* clo,
+              const int* chi, float* o) {
+  for (int k = 0; k < t.na; ++k) {
+    for (int i = 0; i < c.M; ++i) {
+      const int n = (t.rt + k) * c.M + i, r = t.h * c.N + n;
+      if (n >= c.N || clo[r] >= chi[r]) continue;
+      float* dst = o + static_cast<int64_t>(r) * c.pr.D + 16 * dt;
+      const float* src = tmp + (16 * k + i) * stride;
+      for (int v = 0; v < nb; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_loadu_ps(src + 16 * v));
+    }
+  }
+}
+
+// The pair's key blocks [b0, b1) and slabs [t0, t1).
+inline int first_block(const Chunk& c, const TilePair& t) { return (t.a - c.c0) / kKeyTile; }
+inline int end_block(const Chunk& c, const TilePair& t) { return (t.z - 1 - c.c0) / kKeyTile + 1; }
+inline int first_slab(const Chunk& c, const TilePair& t) { return (t.a - c.c0) / kSlab; }
+inline int end_slab(const Chunk& c, const TilePair& t) { return (t.z - 1 - c.c0) / kSlab + 1; }
+
+// Scores of the pair's rows for key blocks blk and blk + 1 (if it is the pair's).
+void score_blocks(Chunk& c, const TilePair& t, int blk) {
+  const int nb = std::min(2, end_block(c, t) - blk);
+  float* const dst[2][2] = {{c.score_row(t.p0) + blk * kKeyTile, c.score_row(t.p0) + (blk + nb - 1) * kKeyTile},
+                            {c.score_row(t.p1) + blk * kKeyTile, c.score_row(t.p1) + (blk + nb - 1) * kKeyTile}};
+  with_shape(t.na, nb, [&]<int NA, int NB>() {
+    tiles_zero<NA, NB>();
+    tiles_steps<NA, NB>(c.query_row(t.p0), c.query_row(t.p1), c.pr.D * 2, 32, c.ktile(t.h, blk),
+                        c.ktile(t.h, blk + nb - 1), kTileElems, c.S);
+    tiles_store<NA, NB>(dst, kScoreCols * 4);
+  });
+}
+
+// One row's softmax over its keys [a, z) in one pass after the max: m = max s_j,
+// p_j = bf16(exp2_weights((s_j - m) * qk_scale)), l = the sum of the p_j by VDPBF16PS
+// against ones: lane k adds keys 2k and 2k + 1 of each 32-key slab (absolute positions;
+// a key outside [a, z) adds +0, which changes no sum), slabs ascending, then
+// fold_lanes. Writes the row's P over slabs [t0, t1) (zero outside [a, z)); (m, l) into ml.
+void row_weights(const Chunk& c, float* row, int a, int z, int t0, int t1, uint16_t* w, float* ml) {
+  const int ga = (a - c.c0) / 16, gz = (z - 1 - c.c0) / 16 + 1;
+  if (c.pr.score_sign < 0.f) {
+    for (int k = a - c.c0; k < z - c.c0; ++k) row[k] *= c.pr.score_sign;  // exact
+  }
+  // Masks only at the ends: the groups and slabs in between hold keys of [a, z) only.
+  const __mmask16 first = lanes_in(c.c0 + 16 * ga, a, z), last = lanes_in(c.c0 + 16 * (gz - 1), a, z);
+  __m512 top = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), first, row + 16 * ga);
+  for (int g = ga + 1; g < gz - 1; ++g) top = _mm512_max_ps(_mm512_loadu_ps(row + 16 * g), top);
+  if (gz - 1 > ga) top = _mm512_max_ps(_mm512_mask_loadu_ps(top, last, row + 16 * (gz - 1)), top);
+  // (a NaN score is passed over by the max and poisons its p_j below)
+  const float m = _mm512_reduce_max_ps(top);
+  const __m512 mv = _mm512_set1_ps(m), scale = _mm512_set1_ps(c.pr.qk_scale);
+  const __m512bh ones = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3F80));
+  __m512 sum = _mm512_setzero_ps();
+  const auto slab = [&](int t, __mmask16 live0, __mmask16 live1) {
+    const float* x = row + kSlab * t;
+    const __m512 e0 = exp2_weights(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live0, x), mv), scale));
+    const __m512 e1 = exp2_weights(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live1, x + 16), mv), scale));
+    const __m512bh bf = _mm512_cvtne2ps_pbh(_mm512_maskz_mov_ps(live1, e1), _mm512_maskz_mov_ps(live0, e0));
+    sum = _mm512_dpbf16_ps(sum, bf, ones);
+    _mm512_storeu_si512(w + kSlab * t, reinterpret_cast<__m512i>(bf));
+  };
+  const int ta = (a - c.c0) / kSlab, tz = (z - 1 - c.c0) / kSlab + 1;
+  for (int t = t0; t < ta; ++t) _mm512_storeu_si512(w + kSlab * t, _mm512_setzero_si512());
+  for (int t = tz; t < t1; ++t) _mm512_storeu_si512(w + kSlab * t, _mm512_setzero_si512());
+  const auto masked = [&](int t) { slab(t, lanes_in(c.c0 + kSlab * t, a, z), lanes_in(c.c0 + kSlab * t + 16, a, z)); };
+  masked(ta);
+  for (int t = ta + 1; t < tz - 1; ++t) slab(t, 0xFFFF, 0xFFFF);
+  if (tz - 1 > ta) masked(tz - 1);
+  // fold_lanes on the vector: lane i adds lane i + 8, then i + 4, i + 2, i + 1.
+  sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(3, 2, 3, 2)));
+  sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(1, 1, 1, 1)));
+  sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, _MM_SHUFFLE(3, 2, 3, 2)));
+  sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, _MM_SHUFFLE(1, 1, 1, 1)));
+  ml[0] = m;
+  ml[1] = _mm512_cvtss_f32(sum);
+}
+
+// Row n of the pair's head: its softmax, or zero weights (a row that sees no key, a
+// padding row) over the slabs the pair's weigh reads.
+void softmax_row(Chunk& c, const TilePair& t, int n, const int* clo, const int* chi, float* ml) {
+  const int r = t.h * c.N + n, p = c.padded(t.h, n), t0 = first_slab(c, t), t1 = end_slab(c, t);
+  if (n < c.N) {
+    ml[2 * r] = kNegInf;
+    ml[2 * r + 1] = 0.f;
+    if (clo[r] < chi[r]) {
+      row_weights(c, c.score_row(p), clo[r], chi[r], t0, t1, c.weight_row(p), ml + 2 * r);
+      return;
+    }
+  }
+  if (t.a < t.z) std::memset(c.weight_row(p) + kSlab * t0, 0, (t1 - t0) * kSlab * sizeof(uint16_t));
+}
+
+// O = P V for the pair's rows and d tiles dt, dt + 1, slab by slab over the pair's
+// slabs. A row's later slabs than its own last add zero weights to its o, which changes
+// no bit: TDPBF16PS flushes subnormal results, so o is zero or normal and o + 0 is o
+// (rows at every position of a prefill equal their decode, with values small enough
+// for subnormal sums: test_amx).
+void weigh_tiles(Chunk& c, const TilePair& t, int dt, const int* clo, const int* chi, float* o) {
+  const int nb = std::min(2, c.DT - dt), u0 = first_slab(c, t);
+  float* tmp = c.s.tile_c.data();  // [2 tiles x 16 rows][32 floats]
+  float* const dst[2][2] = {{tmp, tmp + 16}, {tmp + 16 * 32, tmp + 16 * 32 + 16}};
+  with_shape(t.na, nb, [&]<int NA, int NB>() {
+    tiles_zero<NA, NB>();
+    tiles_steps<NA, NB>(c.weight_row(t.p0) + u0 * kSlab, c.weight_row(t.p1) + u0 * kSlab, kChunk * 2, kSlab,
+                        c.vtile(t.h, u0) + dt * kTileElems, c.vtile(t.h, u0) + (dt + nb - 1) * kTileElems,
+                        static_cast<int64_t>(c.DT) * kTileElems, end_slab(c, t) - u0);
+    tiles_store<NA, NB>(dst, 32 * 4);
+  });
+  copy_out(c, t, dt, nb, tmp, 32, clo, chi, o);
+}
+
+// Scores, softmax and weighted values of every tile pair, phase after phase over all
+// of them. Tile work and vector work do not overlap here: dealing the softmax rows out
+// between the tile units of the neighbouring pairs made an L 2048 prefill slower (31.5
+// -> 39.8 ms), and even running the three phases pair by pair did (33.3 ms).
+// scored: the key walk took the scores already (key_scores).
+void attend_pairs(Chunk& c, int heads, const int* clo, const int* chi, float* ml, float* o, bool scored) {
+  thread_local std::vector<TilePair> pairs;
+  pairs.clear();
+  for (int h = 0; h < heads; ++h)
+    for (int rt = 0; rt < c.RT; rt += 2) pairs.push_back(tile_pair(c, h, rt, clo, chi));
+  for (const TilePair& t : pairs) {
+    if (t.a >= t.z || scored) continue;
+    for (int blk = first_block(c, t); blk < end_block(c, t); blk += 2) score_blocks(c, t, blk);
+  }
+  for (const TilePair& t : pairs) {
+    for (int n = t.rt * c.M; n < (t.rt + t.na) * c.M; ++n) softmax_row(c, t, n, clo, chi, ml);
+  }
+  for (const TilePair& t : pairs) {
+    if (t.a >= t.z) continue;
+    for (int dt = 0; dt < c.DT; dt += 2) weigh_tiles(c, t, dt, clo, chi, o);
+  }
+}
+
+}  // namespace
+
+bool amx_supported() {
+  static const bool ok = ask_linux_for_tiles();
+  return ok;
+}
+
+bool amx_enabled() { return switched_on().load(std::memory_order_relaxed); }
+
+void set_amx(bool on) {
+  if (on && !amx_supported())
+    throw std::invalid_argument("AMX tiles are not available here (CPU without AMX-BF16, or Linux refused the tile state)");
+  switched_on().store(on, std::memory_order_relaxed);
+}
+
+AmxTask::AmxTask(int m) : m_(m) { reshape(m); }
+
+void AmxTask::reshape(int rows) {
+  if (rows == shape_) return;
+  shape_ = rows;
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {  // C tiles tmm0-3, A tiles tmm4-5
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = kTileRowBytes;
+  }
+  for (int t = 6; t < 8; ++t) {  // B tiles: 16 rows (d pairs or key pairs)
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = kTileRowBytes;
+  }
+  asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+}
+
+AmxTask::~AmxTask() { asm volatile("tilerelease" ::: "memory"); }
+
+void amx_load_queries(const Problem& pr, const uint16_t* q, int b, const int* heads, const int* positions, int rows,
+                      int nheads, const AmxTask& task, Scratch& s) {
+  const int N = rows / nheads, M = task.rows(), RT = (N + M - 1) / M, D = pr.D;
+  s.tile_q.assign(static_cast<size_t>(nheads) * RT * M * D, 0);
+  for (int r = 0; r < rows; ++r) {
+    const int p = (r / N) * RT * M + r % N;
+    std::memcpy(s.tile_q.data() + static_cast<int64_t>(p) * D, q + pr.query_offset(b, heads[r], positions[r]),
+                D * sizeof(uint16_t));
+  }
+  if (RT > 1) return;
+  // One row tile per head (decode): also Q^T as B tiles for key_scores: tile (h, st),
+  // row p, column n holds the d pair (32 st + 2 p, 32 st + 2 p + 1) of row n.
+  const int S = D / 32;
+  s.tile_qt.assign(static_cast<size_t>(nheads) * S * kTileElems, 0);
+  for (int r = 0; r < rows; ++r) {
+    const uint16_t* row = s.tile_q.data() + static_cast<int64_t>((r / N) * M + r % N) * D;
+    uint16_t* dst = s.tile_qt.data() + static_cast<int64_t>(r / N) * S * kTileElems + 2 * (r % N);
+    for (int st = 0; st < S; ++st)
+      for (int p = 0; p < 16; ++p) std::memcpy(dst + st * kTileElems + p * 32, row + 32 * st + 2 * p, 4);
+  }
+}
+
+void amx_attend_chunk(const Problem& pr, const uint16_t* kpool, const uint16_t* vpool, const int64_t* off, int jlo,
+                      int jhi, int rows, int heads, const int* clo, const int* chi, AmxTask& task, Scratch& s,
+                      float* ml, float* o) {
+  const int N = rows / heads, M = task.rows();
+  Chunk c{pr, N, M, (N + M - 1) / M, pr.D / 32, pr.D / 16, (jlo / kChunk) * kChunk, jlo, jhi, s};
+  const size_t padded_rows = static_cast<size_t>(heads) * c.RT * M;
+  s.tile_k.resize(static_cast<size_t>(heads) * kBlocks * c.S * kTileElems);
+  s.tile_v.resize(static_cast<size_t>(heads) * kSlabs * c.DT * kTileElems);
+  s.tile_s.resize(padded_rows * kScoreCols);
+  s.tile_p.resize(padded_rows * kChunk);
+  s.tile_c.resize(2 * 16 * 32);
+  // Slab by slab, each head's K and V of it: the pool is read in address order.
+  const int u0 = (jlo - c.c0) / kSlab, u1 = (jhi - 1 - c.c0) / kSlab + 1;
+  // One row tile per head (decode): the scores are taken on this walk, from the pool's K
+  // rows as A tiles (key_scores), so K is read once and never packed.
+  const bool keys_direct = c.RT == 1;
+  if (keys_direct) task.reshape(16);
+  for (int u = u0; u < u1; ++u) {
+    for (int h = 0; h < heads; ++h) {
+      Ahead ahead;
+      if (h + 1 < heads) ahead = {h + 1, u};
+      else if (u + 1 < u1) ahead = {0, u + 1};
+      if (keys_direct) {
+        key_scores(c, kpool, off, h, u, clo, chi, ahead);
+      } else {
+        for (int blk = 2 * u; blk < 2 * u + 2; ++blk) pack_keys(c, kpool, off, h, blk, ahead);
+      }
+      pack_values(c, vpool, off, h, u, ahead);
+    }
+  }
+  task.reshape(M);
+  attend_pairs(c, heads, clo, chi, ml, o, /*scored=*/keys_direct);
+}
+
+#else  // no tile path in this build
+
+bool amx_supported() { return false; }
+bool amx_enabled() { return false; }
+void set_amx(bool on) {
+  if (on) throw std::invalid_argument("AMX tiles are not available here (this build has no tile path)");
+}
+AmxTask::AmxTask(int m) : m_(m) {}
+AmxTask::~AmxTask() = default;
+void amx_load_queries(const Problem&, const uint16_t*, int, const int*, const int*, int, int, const AmxTask&,
+                      Scratch&) {
+  throw std::logic_error("amx_load_queries: no tile path in this build");
+}
+void amx_attend_chunk(const Problem&, const uint16_t*, const uint16_t*, const int64_t*, int, int, int, int, const int*,
+                      const int*, const AmxTask&, Scratch&, float*, float*) {
+  throw std::logic_error("amx_attend_chunk: no tile path in this build");
+}
+
+#endif
+
+}  // namespace pagecheck

@@ -1,0 +1,71 @@
+// The bfloat16 arithmetic on AMX tiles (Intel Advanced Matrix Extensions).
+//
+// On a CPU with AMX-BF16 (and a build with AVX512-BF16) a bfloat16 call multiplies on
+// the tiles instead of with float32 fused multiply-adds: torch's bf16 SDPA runs above
+// the float32 FMA peak here, which no FMA kernel can reach. It is a second canonical
+// arithmetic, chosen per call for the whole call, so invariants 6-8 hold within it:
+//
+//   score   s_j = TDPBF16PS over d, 32 elements per step, steps ascending from 0
+//   chunk   as numerics.h (256-key chunks, m = max, p_j = exp2(s_j - m)), then p_j is
+//           rounded to bfloat16 (the tiles take bf16 weights), l = lane_sum of the
+//           rounded p_j; o = TDPBF16PS over 32-key slabs at absolute positions,
+//           ascending, from the chunk's first slab to the row's last
+//   merge, finish: numerics.h
+//
+// TDPBF16PS matches no sequence of float32 operations (README, "the AMX probe"), so the
+// AMX bits differ from the FMA bits and the plain build cannot reproduce them; both are
+// deterministic, and the tile path's element (row, column) depends only on that row and
+// column, whatever the tile's other rows hold. A row's o reads the slabs up to its own
+// last one only (a trailing slab of zero weights would flush a subnormal o to zero).
+//
+// Off: with $PAGECHECK_AMX=0 at load time, set_amx(false), on a CPU or kernel without
+// AMX, or for a head dim that is not a multiple of 32.
+#pragma once
+
+#include <cstdint>
+
+#include "kernel.h"
+
+namespace pagecheck {
+
+// Built with the tile path, the CPU has AMX-BF16 and Linux lets this process use the
+// tile registers (asked once: arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_supported();
+// Whether bfloat16 calls use the tiles now (amx_supported and not switched off).
+bool amx_enabled();
+// Switches the tile path on or off for later calls; on throws std::invalid_argument
+// where amx_supported() is false.
+void set_amx(bool on);
+// Whether this call's bfloat16 rows go through the tiles.
+inline bool amx_applies(const Problem& pr) { return pr.D % 32 == 0 && amx_enabled(); }
+
+// Tile configuration of one task on the thread that runs it: A and C tiles of m rows
+// (m <= 16 query rows), B tiles of 16 x 64 bytes; a decode's key-side scores reshape
+// the A and C tiles to 16 rows for a while (reshape). Released when the task ends, so
+// an idle worker carries no tile state across context switches.
+class AmxTask {
+ public:
+  explicit AmxTask(int m);
+  ~AmxTask();
+  AmxTask(const AmxTask&) = delete;
+  AmxTask& operator=(const AmxTask&) = delete;
+  int rows() const { return m_; }
+  // A and C tiles of `rows` rows from now on (no-op if they already have them).
+  void reshape(int rows);
+
+ private:
+  int m_, shape_ = 0;
+};
+
+// Copies the task's query rows (bfloat16, as the A tiles read them): rows
+// [h * rows / heads, (h + 1) * rows / heads) belong to KV head h, as in attend_chunk.
+void amx_load_queries(const Problem& pr, const uint16_t* q, int b, const int* heads, const int* positions,
+                      int rows, int nheads, const AmxTask& task, Scratch& s);
+
+// attend_chunk (kernel.h) for bfloat16 on the tiles: the same arguments and the same
+// chunk state (ml, o) per row, from the queries amx_load_queries copied.
+void amx_attend_chunk(const Problem& pr, const uint16_t* kpool, const uint16_t* vpool, const int64_t* off, int jlo,
+                      int jhi, int rows, int heads, const int* clo, const int* chi, AmxTask& task,
+                      Scratch& s, float* ml, float* o);
+
+}  // namespace pagecheck
