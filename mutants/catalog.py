@@ -11,6 +11,8 @@ Each `mutants/catalog/*.toml` file holds `[[mutant]]` entries:
 | `breaks`      | the invariant or contract clause it breaks (REFERENCE.md)          |
 | `killers`     | pytest node ids (or files) expected to kill it; run first           |
 | `slow`        | optional: its killers include tests marked slow (else they are deselected) |
+| `needs`       | optional: `"amx"`, the code it breaks runs only on AMX tiles; where this |
+|               | machine has none the mutant is reported "not applicable", never counted |
 
 A snippet that is missing or occurs more than once makes the whole run fail: the
 catalog cannot silently rot as the code changes.
@@ -36,6 +38,7 @@ class Mutant:
     killers: tuple[str, ...]
     source: str
     slow: bool = False
+    needs: str | None = None
 
     @property
     def native(self) -> bool:
@@ -54,12 +57,14 @@ def load(catalog: Path = CATALOG) -> list[Mutant]:
                 raise ValueError(f"{path.name}: mutant {entry.get('id', '?')} lacks {sorted(missing)}")
             if entry["id"] in seen:
                 raise ValueError(f"{path.name}: mutant id {entry['id']} appears twice")
+            if entry.get("needs") not in (None, "amx"):
+                raise ValueError(f"{path.name}: mutant {entry['id']} needs {entry['needs']!r}; only 'amx' is known")
             if entry["original"] == entry["replacement"]:
                 raise ValueError(f"{path.name}: mutant {entry['id']} changes nothing")
             seen.add(entry["id"])
             mutants.append(Mutant(entry["id"], entry["file"], entry["original"], entry["replacement"],
                                   entry["breaks"], tuple(entry["killers"]), path.name,
-                                  bool(entry.get("slow", False))))
+                                  bool(entry.get("slow", False)), entry.get("needs")))
     return mutants
 
 

@@ -190,6 +190,11 @@ def main(argv=None) -> int:
         print(f"unknown mutant ids: {sorted(unknown)}", file=sys.stderr)
         return 2
     selected = [m for m in selected if not any(line.startswith(m.id + ":") for line in broken)]
+    # A mutant of the AMX tile path cannot be killed where no test reaches the tiles.
+    import pagecheck_kernels
+
+    inapplicable = [m for m in selected if m.needs == "amx" and not pagecheck_kernels.amx_supported()]
+    selected = [m for m in selected if m not in inapplicable]
     # Native mutants first: their builds are the slow part, so they spread over workers early.
     selected.sort(key=lambda m: not m.native)
 
@@ -227,16 +232,20 @@ def main(argv=None) -> int:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
 
+    results += [{"id": m.id, "status": "not applicable", "killed_by": "no AMX tiles on this machine",
+                 "breaks": m.breaks, "file": m.file, "seconds": 0.0} for m in inapplicable]
+    applicable = len(results) - len(inapplicable)
     killed = sum(r["status"] == "killed" for r in results)
-    report = {"total": len(results), "killed": killed, "survived": sum(r["status"] == "survived" for r in results),
+    report = {"total": len(results), "killed": killed, "not_applicable": len(inapplicable), "survived": sum(r["status"] == "survived" for r in results),
               "invalid": sum(r["status"] == "invalid" for r in results), "catalog_errors": broken,
               "seconds": round(time.perf_counter() - started, 1), "mutants": results}
     table = markdown(results)
     print(table)
-    print(f"\n{killed}/{len(results)} mutants killed in {report['seconds']} s"
+    print(f"\n{killed}/{applicable} mutants killed in {report['seconds']} s"
+          + (f"; {len(inapplicable)} not applicable here (need AMX tiles)" if inapplicable else "")
           + (f"; {len(broken)} catalog error(s)" if broken else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
-    return 0 if killed == len(results) and not broken else 1
+    return 0 if killed == applicable and not broken else 1

@@ -71,6 +71,7 @@ ASAN_TESTS = [
     "tests/test_rejections.py",
     "tests/test_schedules.py",
     "tests/test_golden_bits.py",
+    "tests/test_amx.py",  # the tile path: its scratch, packs and row copies
     "tests/test_pool.py",
     "tests/test_cache.py",
     "tests/test_edges.py",

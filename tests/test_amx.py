@@ -4,6 +4,7 @@ its own. Skipped where the AMX tiles are not supported (tests/tile_path.py).
 | what must hold on the tiles                                   | test                                      |
 |---------------------------------------------------------------|-------------------------------------------|
 | the tolerance rule against the oracles, every tile layout     | test_tiles_meet_the_tolerance             |
+| ... and with a negative scale                                 | test_tiles_meet_the_tolerance_with_a_n... |
 | the switch really changes the arithmetic; off is the FMA path | test_switch_chooses_the_arithmetic        |
 | every prefill row equals its decode (invariant 8), windows,   | test_prefill_rows_equal_their_decode      |
 | and sums that the tiles flush to zero                         | test_flushed_sums_stay_equal              |
@@ -59,6 +60,15 @@ def test_tiles_meet_the_tolerance(name, error_log):
     result = compare(out, case.args(), case.kwargs())
     error_log.record(case.dtype, "float64", result.against_float64)
     assert not result.failures(), result.failures()
+
+
+@pytest.mark.parametrize("name", ["decode-keys-in-place", "prefill-window-pages-of-5"])
+def test_tiles_meet_the_tolerance_with_a_negative_scale(name):
+    """A negative scale flips the scores' sign before the max (numerics.h's rule)."""
+    case = layout_case(name, scale=-0.3)
+    with tile_path(True):
+        out = case.run(impl.paged_attention)
+    assert not compare(out, case.args(), case.kwargs()).failures()
 
 
 def test_switch_chooses_the_arithmetic():

@@ -1,16 +1,18 @@
-// The bfloat16 tile path (amx.h): a chunk of keys for the rows of a task, in four
-// passes over operands packed into scratch.
+// The bfloat16 tile path (amx.h): a chunk of keys for the rows of a task, in passes
+// over operands packed into scratch.
 //
-//   pass     tiles                                   operands
-//   pack     -                                       K: 16-key blocks, [d pair][key] (B tiles)
-//                                                    V: 32-key slabs, [key pair][d] (B tiles)
-//   score    S[rows, 16 keys] += Q[rows, 32 d] K^T    up to 2 row tiles x 2 key blocks at once
-//   softmax  -                                       per row, numerics.h; weights rounded to bf16
+//   pass     tiles                                    operands
+//   walk     decode: S^T[16 keys, rows] += K Q^T      K rows from the pool as A tiles (key_scores)
+//            prefill: -                               K: 16-key blocks, [d pair][key] (pack_keys)
+//                                                     V: 32-key slabs, [key pair][d] (pack_values)
+//   score    prefill: S[rows, 16 keys] += Q K^T       up to 2 row tiles x 2 key blocks at once
+//   softmax  -                                        per row, one pass after the max (row_weights)
 //   weigh    O[rows, 16 d] += P[rows, 32 keys] V      up to 2 row tiles x 2 d tiles at once
 //
 // Tile registers: C tiles tmm0-3 (row tile i, column tile j in tmm 2i + j), A tiles
 // tmm4-5 (row tiles), B tiles tmm6-7. Rows of a KV head are padded to whole row tiles
-// of M rows (padded(h, n)); padding rows hold zeros and are never copied out.
+// of M rows (padded(h, n)); padding rows hold zeros and are never copied out. The walk
+// reads the pool slab by slab, each slab's heads in turn: in address order.
 #include "amx.h"
 
 #include <algorithm>
@@ -547,12 +549,13 @@ void set_amx(bool on) {
 }
 AmxTask::AmxTask(int m) : m_(m) {}
 AmxTask::~AmxTask() = default;
+void AmxTask::reshape(int rows) { shape_ = rows; }
 void amx_load_queries(const Problem&, const uint16_t*, int, const int*, const int*, int, int, const AmxTask&,
                       Scratch&) {
   throw std::logic_error("amx_load_queries: no tile path in this build");
 }
 void amx_attend_chunk(const Problem&, const uint16_t*, const uint16_t*, const int64_t*, int, int, int, int, const int*,
-                      const int*, const AmxTask&, Scratch&, float*, float*) {
+                      const int*, AmxTask&, Scratch&, float*, float*) {
   throw std::logic_error("amx_attend_chunk: no tile path in this build");
 }
 

@@ -5,18 +5,21 @@
 // the float32 FMA peak here, which no FMA kernel can reach. It is a second canonical
 // arithmetic, chosen per call for the whole call, so invariants 6-8 hold within it:
 //
-//   score   s_j = TDPBF16PS over d, 32 elements per step, steps ascending from 0
-//   chunk   as numerics.h (256-key chunks, m = max, p_j = exp2(s_j - m)), then p_j is
-//           rounded to bfloat16 (the tiles take bf16 weights), l = lane_sum of the
-//           rounded p_j; o = TDPBF16PS over 32-key slabs at absolute positions,
-//           ascending, from the chunk's first slab to the row's last
+//   score   s_j = TDPBF16PS over d, 32 elements a step, steps ascending from 0
+//   chunk   256-key chunks as numerics.h; m = max s_j; p_j = bf16(exp2_weights((s_j - m)
+//           * qk_scale)) (degree-4 polynomial and vscalefps; the tiles take bf16 weights);
+//           l = sum of the p_j by VDPBF16PS against ones (lane k: keys 2k, 2k + 1 of
+//           each 32-key slab, slabs ascending), then fold_lanes;
+//           o = TDPBF16PS over 32-key slabs at absolute positions, ascending
 //   merge, finish: numerics.h
 //
-// TDPBF16PS matches no sequence of float32 operations (README, "the AMX probe"), so the
-// AMX bits differ from the FMA bits and the plain build cannot reproduce them; both are
-// deterministic, and the tile path's element (row, column) depends only on that row and
-// column, whatever the tile's other rows hold. A row's o reads the slabs up to its own
-// last one only (a trailing slab of zero weights would flush a subnormal o to zero).
+// TDPBF16PS matches no sequence of float32 operations (README, "Where the time goes"),
+// so the tile bits differ from the FMA bits and a plain build cannot reproduce them;
+// both are deterministic. A tile element (row, column) depends only on that row and
+// column, and the same products in the same order give the same bits whichever operand
+// is A: a prefill computes S = Q K^T, a decode S^T = K Q^T from the pool's rows, and
+// they agree. A row may run slabs after its own last one (zero weights): o + 0 = o,
+// since the tiles flush subnormal results and o is zero or normal.
 //
 // Off: with $PAGECHECK_AMX=0 at load time, set_amx(false), on a CPU or kernel without
 // AMX, or for a head dim that is not a multiple of 32.

@@ -13,7 +13,9 @@
 //   finish   out = o * (1 / l), cast once to the output dtype
 //
 // The build uses -ffp-contract=off and no -ffast-math, so the compiler may vectorize
-// these loops but never reorder or fuse their floating-point operations.
+// these loops but never reorder or fuse their floating-point operations. A bfloat16
+// call on AMX tiles follows its own arithmetic (amx.h) and shares chunk, merge and
+// finish with this one.
 #pragma once
 
 #include <cstdint>

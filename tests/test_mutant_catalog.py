@@ -1,0 +1,30 @@
+"""The seeded-mutant catalog stays applicable (mutants/catalog.py): every snippet occurs
+once in its file, ids are unique, and a mutant that needs AMX tiles says so."""
+
+from pathlib import Path
+
+import pytest
+
+from mutants.catalog import load, problems
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_mutant_applies_to_the_tree():
+    mutants = load()
+    assert problems(mutants, ROOT) == []
+    assert len({m.id for m in mutants}) == len(mutants)
+
+
+def test_tile_path_mutants_are_marked():
+    """A mutant of amx.cpp is reachable only on AMX tiles, so it must carry needs = "amx"
+    (else a machine without them reports it as a survivor)."""
+    for m in load():
+        assert (m.needs == "amx") == (m.file == "impl/csrc/amx.cpp"), m.id
+
+
+def test_unknown_needs_is_a_catalog_error(tmp_path):
+    (tmp_path / "x.toml").write_text('[[mutant]]\nid = "a"\nfile = "f"\noriginal = "x"\nreplacement = "y"\n'
+                                     'breaks = "b"\nkillers = ["t"]\nneeds = "gpu"\n')
+    with pytest.raises(ValueError, match="only 'amx' is known"):
+        load(tmp_path)
