@@ -8,9 +8,8 @@
 // per item; fewer only when there would be too few items to keep the threads busy).
 // Chunk states land in a per-(b, c, g) slot; the merge pass reads a (b, g)'s slots in
 // ascending c, so neither the thread count, the head runs nor the other requests can
-// change the order of any floating-point operation.
-#include <optional>
-
+// change the order of any floating-point operation. A bfloat16 call on AMX tiles
+// attends its chunks with amx_attend_chunk instead (amx.h), as the prefill does.
 #include "amx.h"
 #include "kernel.h"
 #include "thread_pool.h"

@@ -6,7 +6,8 @@
 // block's last visible key (causal) or before its first (window) are never visited.
 // The per-row arithmetic is attend_chunk + merge_state in ascending chunk order, the
 // same calls the decode schedule makes, so the last row of a prefill equals a
-// one-token decode at that position bit for bit (REFERENCE.md invariant 8).
+// one-token decode at that position bit for bit (REFERENCE.md invariant 8). On AMX tiles
+// (bfloat16, amx.h) both schedules call amx_attend_chunk instead, with the same effect.
 #include <optional>
 
 #include "amx.h"
