@@ -22,10 +22,10 @@
 #include <stdexcept>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define PAGECHECK_AMX_BUILD 1
+#include "amx_tiles.h"
+
+#if defined(PAGECHECK_AMX_BUILD)
 #include <cpuid.h>
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -53,102 +53,13 @@ std::atomic<bool>& switched_on() {
   return on;
 }
 
-// The tile instructions, by register number. GCC's _tile_loadd tells the compiler
-// nothing about the memory it reads, so stores to a buffer could sink below the load
-// of it; every one of these is a compiler memory barrier.
-#define PC_TLOAD(t, p, stride) \
-  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(p), "r"(static_cast<int64_t>(stride)) : "memory")
-#define PC_TSTORE(t, p, stride) \
-  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p), "r"(static_cast<int64_t>(stride)) : "memory")
-#define PC_TZERO(t) asm volatile("tilezero %%tmm" #t ::: "memory")
-#define PC_TDP(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+// The chunk's layout in scratch: K blocks of 16 keys (the columns of one S tile), V
+// slabs of 32 keys (the K side of one P x V step), score rows indexed by key - c0.
 constexpr int kKeyTile = 16;                    // keys per K block (columns of S)
 constexpr int kSlab = 32;                       // keys per V slab (the K side of one P x V step)
 constexpr int kBlocks = kChunk / kKeyTile;      // K blocks per chunk
 constexpr int kSlabs = kChunk / kSlab;          // V slabs per chunk
-constexpr int kTileElems = 512;                 // bf16 elements of one 1 KiB B tile
 constexpr int kScoreCols = kChunk + kKeyTile;   // a score row: key j at column j - c0
-constexpr int64_t kTileRowBytes = 64;
-
-// C[i][j] += A[i] B[j] over n steps (i < NA, j < NB): A[i] advances a_step elements and
-// B[j] b_step elements a step. The C tiles stay in registers between calls.
-template <int NA, int NB>
-inline void tiles_zero() {
-  PC_TZERO(0);
-  if constexpr (NB == 2) PC_TZERO(1);
-  if constexpr (NA == 2) PC_TZERO(2);
-  if constexpr (NA == 2 && NB == 2) PC_TZERO(3);
-}
-
-template <int NA, int NB>
-inline void tiles_steps(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, int64_t a_step, const uint16_t* b0,
-                        const uint16_t* b1, int64_t b_step, int n) {
-  for (int i = 0; i < n; ++i) {
-    PC_TLOAD(4, a0 + i * a_step, a_stride);
-    if constexpr (NA == 2) PC_TLOAD(5, a1 + i * a_step, a_stride);
-    PC_TLOAD(6, b0 + i * b_step, kTileRowBytes);
-    if constexpr (NB == 2) PC_TLOAD(7, b1 + i * b_step, kTileRowBytes);
-    PC_TDP(0, 4, 6);
-    if constexpr (NB == 2) PC_TDP(1, 4, 7);
-    if constexpr (NA == 2) PC_TDP(2, 5, 6);
-    if constexpr (NA == 2 && NB == 2) PC_TDP(3, 5, 7);
-  }
-}
-
-// c[i][j]: where C[i][j] goes (rows `stride` bytes apart).
-template <int NA, int NB>
-inline void tiles_store(float* const (&c)[2][2], int64_t stride) {
-  PC_TSTORE(0, c[0][0], stride);
-  if constexpr (NB == 2) PC_TSTORE(1, c[0][1], stride);
-  if constexpr (NA == 2) PC_TSTORE(2, c[1][0], stride);
-  if constexpr (NA == 2 && NB == 2) PC_TSTORE(3, c[1][1], stride);
-}
-
-// Calls f.template operator()<NA, NB>() for na, nb in {1, 2}.
-template <class F>
-inline void with_shape(int na, int nb, F&& f) {
-  if (na == 2) {
-    if (nb == 2) f.template operator()<2, 2>();
-    else f.template operator()<2, 1>();
-  } else {
-    if (nb == 2) f.template operator()<1, 2>();
-    else f.template operator()<1, 1>();
-  }
-}
-
-// In-place transpose of 16 x 16 32-bit elements: r[i] lane k becomes r[k] lane i.
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {  // pairs of rows: (a0 b0 a1 b1 | a2 b2 a3 b3) per 128-bit lane
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + e], lane L: rows 4i .. 4i + 3 of column 4L + e
-    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  __m512i out[16];
-  for (int e = 0; e < 4; ++e) {  // column 4L + e gathers lane L of r[e], r[4 + e], r[8 + e], r[12 + e]
-    const __m512i ab_lo = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), ab_hi = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
-    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44),
-                  cd_hi = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
-    out[e] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
-    out[4 + e] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
-    out[8 + e] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
-    out[12 + e] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = out[i];
-}
 
 inline __mmask16 lanes_in(int first, int a, int z) {  // lanes k with a <= first + k < z
   const int lo = std::clamp(a - first, 0, 16), hi = std::clamp(z - first, 0, 16);
@@ -241,6 +152,33 @@ void pack_values(Chunk& c, const uint16_t* vpool, const int64_t* off, int h, int
   }
 }
 
+// Two row tiles of one KV head (or one: na), the unit of the score and weigh passes,
+// and the keys [a, z) its rows see (a >= z: none).
+struct TilePair {
+  int h, rt, na;
+  int a, z;
+  int p0, p1;  // padded rows of the first row of each tile
+};
+
+TilePair tile_pair(const Chunk& c, int h, int rt, const int* clo, const int* chi) {
+  TilePair t{h, rt, std::min(2, c.RT - rt), c.c0 + kChunk, c.c0, 0, 0};
+  t.p0 = c.padded(h, rt * c.M);
+  t.p1 = c.padded(h, (rt + t.na - 1) * c.M);
+  for (int n = rt * c.M; n < std::min(c.N, (rt + t.na) * c.M); ++n) {
+    const int r = h * c.N + n;
+    if (clo[r] >= chi[r]) continue;
+    t.a = std::min(t.a, clo[r]);
+    t.z = std::max(t.z, chi[r]);
+  }
+  return t;
+}
+
+// The pair's key blocks [b0, b1) and slabs [t0, t1).
+inline int first_block(const Chunk& c, const TilePair& t) { return (t.a - c.c0) / kKeyTile; }
+inline int end_block(const Chunk& c, const TilePair& t) { return (t.z - 1 - c.c0) / kKeyTile + 1; }
+inline int first_slab(const Chunk& c, const TilePair& t) { return (t.a - c.c0) / kSlab; }
+inline int end_slab(const Chunk& c, const TilePair& t) { return (t.z - 1 - c.c0) / kSlab + 1; }
+
 // The scores of head h's rows (one row tile: a decode) for the keys of slab u, as
 // S^T = K Q^T: the A tiles are 16 K rows straight from the pool (or copied, where 16
 // keys are not one run of rows), the B tile Q^T (amx_load_queries). Element (key, row)
@@ -249,13 +187,9 @@ void pack_values(Chunk& c, const uint16_t* vpool, const int64_t* off, int h, int
 // prefill schedules agree, test_amx). Needs A and C tiles of 16 rows (task.reshape).
 void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int u, const int* clo,
                 const int* chi, const Ahead& ahead) {
-  int a = c.c0 + kChunk, z = c.c0;
-  for (int n = 0; n < c.N; ++n) {
-    const int r = h * c.N + n;
-    if (clo[r] < chi[r]) a = std::min(a, clo[r]), z = std::max(z, chi[r]);
-  }
-  const int blk0 = std::max(2 * u, (a - c.c0) / kKeyTile), blk1 = std::min(2 * u + 2, (z - 1 - c.c0) / kKeyTile + 1);
-  if (a >= z || blk0 >= blk1) return;
+  const TilePair t = tile_pair(c, h, 0, clo, chi);  // the head's one row tile
+  const int blk0 = std::max(2 * u, first_block(c, t)), blk1 = std::min(2 * u + 2, end_block(c, t));
+  if (t.a >= t.z || blk0 >= blk1) return;
   const uint16_t* src[2];
   for (int blk = blk0; blk < blk1; ++blk) {
     // The block's rows in the pool are one run when every key of [jlo, jhi) in it sits
@@ -293,27 +227,6 @@ void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int 
   }
 }
 
-// Two row tiles of one KV head (or one: na), the unit of the score and weigh passes,
-// and the keys [a, z) its rows see (a >= z: none).
-struct TilePair {
-  int h, rt, na;
-  int a, z;
-  int p0, p1;  // padded rows of the first row of each tile
-};
-
-TilePair tile_pair(const Chunk& c, int h, int rt, const int* clo, const int* chi) {
-  TilePair t{h, rt, std::min(2, c.RT - rt), c.c0 + kChunk, c.c0, 0, 0};
-  t.p0 = c.padded(h, rt * c.M);
-  t.p1 = c.padded(h, (rt + t.na - 1) * c.M);
-  for (int n = rt * c.M; n < std::min(c.N, (rt + t.na) * c.M); ++n) {
-    const int r = h * c.N + n;
-    if (clo[r] >= chi[r]) continue;
-    t.a = std::min(t.a, clo[r]);
-    t.z = std::max(t.z, chi[r]);
-  }
-  return t;
-}
-
 // o of the pair's rows that see a key, columns 16 dt .. 16 (dt + nb), from tmp (row i of
 // row tile k at tmp + (16 k + i) * stride). Vector copies: a memcpy of this run-time
 // size became `rep movsq`, 10% of an L 2048 prefill.
@@ -329,12 +242,6 @@ void copy_out(const Chunk& c, const TilePair& t, int dt, int nb, const float* tm
     }
   }
 }
-
-// The pair's key blocks [b0, b1) and slabs [t0, t1).
-inline int first_block(const Chunk& c, const TilePair& t) { return (t.a - c.c0) / kKeyTile; }
-inline int end_block(const Chunk& c, const TilePair& t) { return (t.z - 1 - c.c0) / kKeyTile + 1; }
-inline int first_slab(const Chunk& c, const TilePair& t) { return (t.a - c.c0) / kSlab; }
-inline int end_slab(const Chunk& c, const TilePair& t) { return (t.z - 1 - c.c0) / kSlab + 1; }
 
 // Scores of the pair's rows for key blocks blk and blk + 1 (if it is the pair's).
 void score_blocks(Chunk& c, const TilePair& t, int blk) {
@@ -465,7 +372,7 @@ void set_amx(bool on) {
   switched_on().store(on, std::memory_order_relaxed);
 }
 
-AmxTask::AmxTask(int m) : m_(m) { reshape(m); }
+AmxTask::AmxTask(int m) : m_(m) {}
 
 void AmxTask::reshape(int rows) {
   if (rows == shape_) return;
@@ -522,7 +429,7 @@ void amx_attend_chunk(const Problem& pr, const uint16_t* kpool, const uint16_t* 
   // One row tile per head (decode): the scores are taken on this walk, from the pool's K
   // rows as A tiles (key_scores), so K is read once and never packed.
   const bool keys_direct = c.RT == 1;
-  if (keys_direct) task.reshape(16);
+  task.reshape(keys_direct ? 16 : M);
   for (int u = u0; u < u1; ++u) {
     for (int h = 0; h < heads; ++h) {
       Ahead ahead;

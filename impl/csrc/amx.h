@@ -42,10 +42,11 @@ void set_amx(bool on);
 // Whether this call's bfloat16 rows go through the tiles.
 inline bool amx_applies(const Problem& pr) { return pr.D % 32 == 0 && amx_enabled(); }
 
-// Tile configuration of one task on the thread that runs it: A and C tiles of m rows
-// (m <= 16 query rows), B tiles of 16 x 64 bytes; a decode's key-side scores reshape
-// the A and C tiles to 16 rows for a while (reshape). Released when the task ends, so
-// an idle worker carries no tile state across context switches.
+// Tile state of one task on the thread that runs it: row tiles of m query rows (m <=
+// 16). amx_attend_chunk loads the configuration (reshape: A and C tiles of 16 rows for a
+// decode's key walk, m rows otherwise; B tiles 16 x 64 bytes) only as it changes.
+// Released when the task ends, so an idle worker carries no tile state across context
+// switches.
 class AmxTask {
  public:
   explicit AmxTask(int m);
