@@ -4,19 +4,33 @@ An implementation may carry an attribute `pagecheck_capabilities` (a dict, so a 
 author need not import pagecheck). Every key is optional; an unknown key is a usage error
 (a typo must not silently widen or narrow the checks).
 
-| key               | meaning                                                      | default (nothing declared) |
-|-------------------|--------------------------------------------------------------|----------------------------|
-| `dtypes`          | query dtypes it computes: subset of float32/float16/bfloat16 | all three                  |
-| `head_dims`       | head dims it computes                                        | any                        |
-| `page_sizes`      | page sizes it computes                                       | any                        |
-| `prefill`         | L > 1 query rows per request                                 | True                       |
-| `window`          | causal sliding window                                        | True                       |
-| `unmasked`        | `mask=None`                                                  | True                       |
-| `validates_input` | raises on every bad input of the contract's rejection list   | True                       |
-| `error_types`     | exception classes that count as a contract error             | (ValueError, TypeError)    |
-| `bitwise_batch`   | output bits independent of the batch, the slot, unread data and the prefill/decode split | False |
-| `bitwise_threads` | output bits independent of the worker count (needs `set_num_threads`) | False             |
-| `set_num_threads` | callable(n): sets the worker count                           | None                       |
+| key                 | meaning                                                      | default (nothing declared) |
+|---------------------|--------------------------------------------------------------|----------------------------|
+| `dtypes`            | query dtypes it computes: subset of float32/float16/bfloat16 | all three                  |
+| `head_dims`         | head dims it computes                                        | any                        |
+| `page_sizes`        | page sizes it computes                                       | any                        |
+| `block_multiple`    | page sizes must be multiples of this (vLLM CPU: 16)          | 1                          |
+| `prefill`           | L > 1 query rows per request                                 | True                       |
+| `window`            | causal sliding window                                        | True                       |
+| `unmasked`          | `mask=None`                                                  | True                       |
+| `validates_input`   | raises on every bad input of the contract's rejection list   | True                       |
+| `error_types`       | exception classes that count as a contract error             | (ValueError, TypeError)    |
+| `bitwise_batch`     | output bits independent of the batch, the slot, unread data and the prefill/decode split | False |
+| `bitwise_threads`   | output bits independent of the worker count (needs `set_num_threads`) | False             |
+| `set_num_threads`   | callable(n): sets the worker count                           | None                       |
+| `framework`         | what the kernel takes: `mlx`, `numpy`, `torch` (set by the bridges) | `mlx`               |
+| `device`            | `cpu` or `cuda` (torch bridge)                               | `cpu`                      |
+| `layout`            | KV page layout (conformance/formats/kv.py: `hnd`, `nhd`, `kv_hnd`, `kv_nhd`, `kv_last`, `vllm_split`) | `hnd` (pagecheck's) |
+| `page_table`        | `padded` (block_table + seq_lens) or `csr` (FlashInfer's kv_indptr / kv_indices / kv_last_page_len) | `padded` |
+| `query_packing`     | `padded` `[B, Hq, L, D]` or `varlen` `[T, Hq, D]` + `cu_seqlens_q` | `padded`             |
+| `window_convention` | `count` (w keys: pagecheck, vLLM, HF), `flash` (FlashAttention's `(w - 1, 0)`), `flashinfer` (`window_left = w - 1`) | `count` |
+| `extra_memory`      | what one call may allocate beyond its inputs, in multiples of the KV pools' bytes (a float64 copy of bf16 pools: 4) | 4.0 |
+| `widens_to`         | the dtype a bridge hands the kernel instead of the query's (declared widening), or None | None |
+
+A kernel that declares any of `layout`, `page_table`, `query_packing` or
+`window_convention` (or comes through a bridge that does) is called with the keyword
+arguments of its native format (conformance/formats); one that declares none takes the
+contract's own signature.
 
 A check a declaration rules out is skipped with the reason (and counted in the report);
 an undeclared implementation runs the whole contract except the bitwise and thread checks.
@@ -27,6 +41,23 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# key -> its allowed values (the format keys; conformance/formats implements each one)
+CHOICES = {
+    "framework": ("mlx", "numpy", "torch"),
+    "device": ("cpu", "cuda"),
+    "layout": ("hnd", "nhd", "kv_hnd", "kv_nhd", "kv_last", "vllm_split"),
+    "page_table": ("padded", "csr"),
+    "query_packing": ("padded", "varlen"),
+    "window_convention": ("count", "flash", "flashinfer"),
+}
+FORMAT_KEYS = ("layout", "page_table", "query_packing", "window_convention")
+_BOOLS = ("prefill", "window", "unmasked", "validates_input", "bitwise_batch", "bitwise_threads")
+
+
+def split_x(dtype: str) -> int:
+    """vLLM CUDA's key-cache split: x elements make 16 bytes (8 for 16-bit types, 4 for float32)."""
+    return 16 // ITEMSIZE[dtype]
 
 
 @dataclass(frozen=True)
@@ -34,6 +65,7 @@ class Capabilities:
     dtypes: frozenset = ALL_DTYPES
     head_dims: frozenset | None = None
     page_sizes: frozenset | None = None
+    block_multiple: int = 1
     prefill: bool = True
     window: bool = True
     unmasked: bool = True
@@ -42,6 +74,15 @@ class Capabilities:
     bitwise_batch: bool = False
     bitwise_threads: bool = False
     set_num_threads: object = None
+    framework: str = "mlx"
+    device: str = "cpu"
+    layout: str = "hnd"
+    page_table: str = "padded"
+    query_packing: str = "padded"
+    window_convention: str = "count"
+    extra_memory: float = 4.0
+    widens_to: str | None = None
+    native_call: bool = False  # set by `declared`: some format key was given
 
     @classmethod
     def declared(cls, spec: dict | None) -> Capabilities:
@@ -50,7 +91,7 @@ class Capabilities:
             return cls()
         if not isinstance(spec, dict):
             raise ValueError(f"pagecheck_capabilities must be a dict, got {type(spec).__name__}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"native_call"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"unknown capability {unknown[0]!r}; known: {', '.join(sorted(known))}")
@@ -61,29 +102,68 @@ class Capabilities:
         bad = sorted(set(values.get("dtypes", ALL_DTYPES)) - ALL_DTYPES)
         if bad:
             raise ValueError(f"capability dtypes: {bad} not among {sorted(ALL_DTYPES)}")
+        if not values.get("dtypes", ALL_DTYPES):
+            raise ValueError("capability dtypes is empty: declare at least one dtype")
+        for key in ("head_dims", "page_sizes"):
+            v = values.get(key)
+            if v is not None and (not v or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                                   for n in v)):
+                raise ValueError(f"capability {key} must be a non-empty set of ints >= 1, got {sorted(v, key=str)}")
         if "error_types" in values:
             types = tuple(values["error_types"]) if isinstance(values["error_types"], (list, tuple)) \
                 else (values["error_types"],)
             if not types or not all(isinstance(t, type) and issubclass(t, Exception) for t in types):
                 raise ValueError("capability error_types must be exception classes")
             values["error_types"] = types
-        for key in ("prefill", "window", "unmasked", "validates_input", "bitwise_batch", "bitwise_threads"):
+        for key in _BOOLS:
             if key in values and not isinstance(values[key], bool):
                 raise ValueError(f"capability {key} must be True or False, got {values[key]!r}")
-        caps = cls(**values)
+        for key, allowed in CHOICES.items():
+            if key in values and values[key] not in allowed:
+                raise ValueError(f"capability {key} must be one of {', '.join(allowed)}, got {values[key]!r}")
+        m = values.get("block_multiple", 1)
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"capability block_multiple must be an int >= 1, got {m!r}")
+        e = values.get("extra_memory", 4.0)
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not e >= 0:
+            raise ValueError(f"capability extra_memory must be a number >= 0, got {e!r}")
+        values["extra_memory"] = float(e)
+        if values.get("widens_to") not in (None, "float32", "float64"):
+            raise ValueError(f"capability widens_to must be None, float32 or float64, got {values['widens_to']!r}")
+        caps = cls(**values, native_call=any(k in spec for k in FORMAT_KEYS))
         if caps.bitwise_threads and not callable(caps.set_num_threads):
             raise ValueError("capability bitwise_threads needs a callable set_num_threads")
+        if caps.page_sizes is not None and not caps.allowed_page_sizes(caps.page_sizes):
+            raise ValueError(f"capability page_sizes {sorted(caps.page_sizes)}: none is a multiple of "
+                             f"block_multiple {caps.block_multiple}")
         return caps
 
-    def unsupported(self, *, dtype: str, head_dim: int, page_size: int, query_len: int,
-                    mask, window) -> str | None:
-        """Why a valid call with these features is outside the declaration, or None."""
+    def allowed_page_sizes(self, sizes) -> list[int]:
+        """The sizes among `sizes` this declaration computes, ascending."""
+        return sorted(s for s in sizes if s % self.block_multiple == 0
+                      and (self.page_sizes is None or s in self.page_sizes))
+
+    def unsupported_shape(self, *, dtype: str, head_dim: int, page_size: int) -> str | None:
+        """Why a (dtype, head dim, page size) is outside the declaration, or None."""
         if dtype not in self.dtypes:
             return f"dtype {dtype} (declared dtypes: {', '.join(sorted(self.dtypes))})"
         if self.head_dims is not None and head_dim not in self.head_dims:
             return f"head dim {head_dim} (declared head_dims: {sorted(self.head_dims)})"
         if self.page_sizes is not None and page_size not in self.page_sizes:
             return f"page size {page_size} (declared page_sizes: {sorted(self.page_sizes)})"
+        if page_size % self.block_multiple:
+            return f"page size {page_size} (declared block_multiple: {self.block_multiple})"
+        if self.layout == "vllm_split" and head_dim % split_x(dtype):
+            return (f"head dim {head_dim} (layout vllm_split splits D into chunks of x = {split_x(dtype)} "
+                    f"for {dtype})")
+        return None
+
+    def unsupported(self, *, dtype: str, head_dim: int, page_size: int, query_len: int,
+                    mask, window) -> str | None:
+        """Why a valid call with these features is outside the declaration, or None."""
+        reason = self.unsupported_shape(dtype=dtype, head_dim=head_dim, page_size=page_size)
+        if reason:
+            return reason
         if query_len > 1 and not self.prefill:
             return f"L = {query_len} > 1 (declared prefill=False)"
         if mask is None and not self.unmasked:

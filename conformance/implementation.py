@@ -63,8 +63,9 @@ class Implementation:
 def builtin() -> Implementation:
     import impl
 
+    # extra_memory 0: the kernel reads the pools in place and allocates only its output.
     caps = Capabilities(bitwise_batch=True, bitwise_threads=True, set_num_threads=impl.set_num_threads,
-                        error_types=(impl.ContractViolation,))
+                        error_types=(impl.ContractViolation,), extra_memory=0.0)
     return Implementation("pagecheck built-in (impl.paged_attention)", impl.paged_attention, caps, builtin=True)
 
 
