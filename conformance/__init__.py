@@ -4,15 +4,16 @@
 |---------------------|------------------------------------------------------------------|
 | `implementation.py` | `--impl MODULE:ATTR` -> the `Implementation` under test (built-in by default) |
 | `capabilities.py`   | what an implementation declares it supports; the rest is skipped with the reason |
-| `adapters.py`       | `from_numpy`: a NumPy-in, NumPy-out kernel behind the mlx contract |
+| `bridges.py`        | `from_numpy`, `from_torch`, `from_mlx`: kernels of other frameworks / formats behind the mlx contract |
+| `formats/`          | KV layouts, page tables, query packing, window conventions: one contract call as a native call |
 | `clauses.py`        | the contract clauses checks point at                             |
 | `plugin.py`         | the pytest plugin: options, fixtures, markers, the record of outcomes |
 | `report.py`         | the conformance report: terminal, markdown, HTML                 |
 | `__main__.py`       | `python -m conformance`: the main job                            |
 """
 
-from .adapters import from_numpy
+from .bridges import from_mlx, from_numpy, from_torch
 from .capabilities import Capabilities
 from .implementation import Implementation, UsageError, load
 
-__all__ = ["Capabilities", "Implementation", "UsageError", "from_numpy", "load"]
+__all__ = ["Capabilities", "Implementation", "UsageError", "from_mlx", "from_numpy", "from_torch", "load"]

@@ -1,0 +1,152 @@
+"""Bridges: kernels in NumPy or torch (or MLX in a foreign format) behind the mlx contract.
+
+    from conformance.bridges import from_torch
+    paged_attention = from_torch(my_kernel, device="cpu", layout="nhd", query_packing="varlen",
+                                 window_convention="flash", dtypes=["float32", "float16"],
+                                 error_types=[RuntimeError, ValueError])
+    # pytest -m correctness --impl mymodule:paged_attention
+
+| boundary         | `from_numpy(fn, **caps)`                        | `from_torch(fn, device, **caps)`                     |
+|------------------|-------------------------------------------------|------------------------------------------------------|
+| arrays in        | NumPy copies; bfloat16 widened exactly to float32 (NumPy has none) | torch tensors on `device`, in their own dtype (bf16 stays bf16); `widens_to="float32"` declares a widening |
+| call             | the contract's signature, or the native keywords of the declared format (conformance/formats) | the same |
+| result           | a NumPy array, cast once to the query's dtype   | a torch tensor, synchronized, copied back in its own dtype (cast only under `widens_to`) |
+| errors           | the kernel's own exceptions pass through untouched (declare them in `error_types`) | the same |
+
+An MLX kernel that declares a format in its `pagecheck_capabilities` goes through the
+same conversion (`contract_view` with the MLX bridge; `conformance.implementation.load`
+does it). The result of every bridge has the contract's signature, a `packed` entry for
+batches of mixed query lengths when its queries are varlen, and the declaration, with
+`framework`, `device` and the bridge's own copies added to `extra_memory`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+from . import formats
+from .capabilities import Capabilities
+
+_ARRAYS = ("query", "key_pages", "value_pages", "block_table", "context_lens")
+
+
+class MlxBridge:
+    name, device, copies = "mlx", "cpu", 0
+
+    def to(self, name, x):
+        return x
+
+    def back(self, out, dtype):
+        return out
+
+
+class NumpyBridge:
+    name, device, copies = "numpy", "cpu", 2  # a float32 copy of bf16 pools is twice their bytes
+
+    def to(self, name, x):
+        if not isinstance(x, mx.array):
+            raise TypeError(f"{name} must be an mlx.core.array, got {type(x).__name__}")
+        return np.array(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x)
+
+    def back(self, out, dtype):
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"the kernel returned {type(out).__name__}, expected a NumPy array")
+        return mx.array(out.astype(np.float32) if out.dtype == np.float64 else out).astype(dtype)
+
+
+class TorchBridge:
+    copies = 1  # the host copy the tensors are made from
+
+    def __init__(self, device: str, widens_to: str | None):
+        import torch
+
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("from_torch(device='cuda'): torch sees no CUDA device on this machine")
+        self.torch, self.name, self.device = torch, "torch", device
+        self.widen = getattr(torch, widens_to) if widens_to else None
+
+    def to(self, name, x):
+        torch = self.torch
+        if not isinstance(x, mx.array):
+            raise TypeError(f"{name} must be an mlx.core.array, got {type(x).__name__}")
+        if x.dtype == mx.bfloat16:  # NumPy has no bfloat16: move the bits, then reinterpret them
+            t = torch.from_numpy(np.array(x.view(mx.int16))).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(np.array(x))
+        if self.widen is not None and t.is_floating_point():
+            t = t.to(self.widen)
+        return t.to(self.device)
+
+    def back(self, out, dtype):
+        torch = self.torch
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"the kernel returned {type(out).__name__}, expected a torch.Tensor")
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        out = out.detach().cpu().contiguous()
+        if out.dtype == torch.bfloat16:
+            result = mx.array(out.view(torch.int16).numpy()).view(mx.bfloat16)
+        else:
+            result = mx.array(out.numpy())
+        return result.astype(dtype) if self.widen is not None else result
+
+
+def _framework(bridge, x, name):
+    return bridge.to(name, x) if isinstance(x, mx.array) else x
+
+
+def contract_view(fn, spec: dict, bridge):
+    """`fn` (native in the declared format and the bridge's framework) as a callable with
+    the contract's signature."""
+    caps = Capabilities.declared(spec)  # a bad declaration fails here, at import of the kernel's module
+
+    @functools.wraps(fn)
+    def paged_attention(query, key_pages, value_pages, block_table, context_lens, page_size, *,
+                        scale=None, mask="causal", window=None):
+        if not caps.native_call:  # the contract's own signature, arrays in the framework's type
+            arrays = [bridge.to(n, x) for n, x in zip(_ARRAYS, (query, key_pages, value_pages, block_table,
+                                                                context_lens))]
+            return bridge.back(fn(*arrays, page_size, scale=scale, mask=mask, window=window), query.dtype)
+        call = formats.native(caps, query, key_pages, value_pages, block_table, context_lens, page_size,
+                              scale=scale, mask=mask, window=window)
+        out = fn(**{k: _framework(bridge, v, k) for k, v in call.kwargs.items()})
+        return call.output(bridge.back(out, query.dtype))
+
+    def packed(query, cu_seqlens_q, key_pages, value_pages, block_table, context_lens, page_size, *,
+               scale=None, mask="causal", window=None):
+        kwargs = formats.native_packed(caps, query, cu_seqlens_q, key_pages, value_pages, block_table,
+                                       context_lens, page_size, scale=scale, mask=mask, window=window)
+        out = fn(**{k: _framework(bridge, v, k) for k, v in kwargs.items()})
+        return bridge.back(out, query.dtype)
+
+    if caps.query_packing == "varlen":
+        paged_attention.packed = packed
+    layout_copies = formats.kv.copies(caps.layout) if caps.native_call else 0
+    paged_attention.pagecheck_capabilities = {
+        **spec, "framework": bridge.name, "device": bridge.device,
+        "extra_memory": caps.extra_memory + bridge.copies + layout_copies}
+    paged_attention.pagecheck_contract_form = True
+    return paged_attention
+
+
+def from_numpy(fn, **capabilities):
+    """The NumPy kernel `fn` as an implementation of the contract (see the module table)."""
+    return contract_view(fn, {**(getattr(fn, "pagecheck_capabilities", None) or {}), **capabilities},
+                         NumpyBridge())
+
+
+def from_torch(fn, device: str = "cpu", **capabilities):
+    """The torch kernel `fn` on `device` ("cpu" or "cuda") as an implementation of the contract."""
+    spec = {**(getattr(fn, "pagecheck_capabilities", None) or {}), **capabilities}
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"from_torch: device must be 'cpu' or 'cuda', got {device!r}")
+    return contract_view(fn, spec, TorchBridge(device, spec.get("widens_to")))
+
+
+def from_mlx(fn, **capabilities):
+    """An MLX kernel in a declared foreign format (what `load` does for a declaring kernel)."""
+    return contract_view(fn, {**(getattr(fn, "pagecheck_capabilities", None) or {}), **capabilities},
+                         MlxBridge())

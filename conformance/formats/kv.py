@@ -1,0 +1,75 @@
+"""KV page layouts: pagecheck's pools `[P, Hkv, ps, D]` to each layout other systems use, and back.
+
+| layout       | arrays the kernel gets                            | used by                            |
+|--------------|---------------------------------------------------|------------------------------------|
+| `hnd`        | `key_cache`, `value_cache` `[P, Hkv, ps, D]`      | pagecheck, FlashInfer HND          |
+| `nhd`        | `key_cache`, `value_cache` `[P, ps, Hkv, D]`      | FlashAttention, FlashInfer NHD, vLLM Triton |
+| `kv_hnd`     | `kv_cache` `[P, 2, Hkv, ps, D]` (0: K, 1: V)      | FlashInfer's paired cache, HND      |
+| `kv_nhd`     | `kv_cache` `[P, 2, ps, Hkv, D]`                   | FlashInfer's paired cache, NHD      |
+| `kv_last`    | `kv_cache` `[P, Hkv, ps, 2D]` (K, then V)         | vLLM CPU's logical view             |
+| `vllm_split` | `key_cache` `[P, Hkv, D/x, ps, x]`, `value_cache` `[P, Hkv, D, ps]`; x = 16 bytes / itemsize | vLLM CUDA's paged_attention_v1/v2 |
+
+Every conversion is a pure re-indexing in MLX (any dtype, bf16 included): element
+`pages[p, g, s, d]` of either pool is the same element in the converted arrays, so NaN in
+free pages and unused slots travels with it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+SPLIT_BYTES = 16  # vLLM CUDA: x elements of the key cache's innermost axis make 16 bytes
+
+
+def split_x(dtype) -> int:
+    return SPLIT_BYTES // dtype.size
+
+
+def pack(layout: str, key_pages: mx.array, value_pages: mx.array) -> dict:
+    """The layout's arrays (by the kernel's argument names) from pagecheck pools."""
+    if layout == "hnd":
+        return {"key_cache": key_pages, "value_cache": value_pages}
+    if layout == "nhd":
+        return {"key_cache": key_pages.swapaxes(1, 2), "value_cache": value_pages.swapaxes(1, 2)}
+    if layout == "kv_hnd":
+        return {"kv_cache": mx.stack([key_pages, value_pages], axis=1)}
+    if layout == "kv_nhd":
+        return {"kv_cache": mx.stack([key_pages.swapaxes(1, 2), value_pages.swapaxes(1, 2)], axis=1)}
+    if layout == "kv_last":
+        return {"kv_cache": mx.concatenate([key_pages, value_pages], axis=-1)}
+    if layout == "vllm_split":
+        P, hkv, ps, D = key_pages.shape
+        x = split_x(key_pages.dtype)
+        if D % x:
+            raise ValueError(f"vllm_split needs D % {x} == 0 for {key_pages.dtype}, got D = {D}")
+        keys = key_pages.reshape(P, hkv, ps, D // x, x).transpose(0, 1, 3, 2, 4)
+        return {"key_cache": keys, "value_cache": value_pages.swapaxes(2, 3)}
+    raise ValueError(f"unknown KV layout {layout!r}")
+
+
+def unpack(layout: str, arrays: dict) -> tuple[mx.array, mx.array]:
+    """pagecheck pools `(key_pages, value_pages)` from the layout's arrays (the inverse of pack)."""
+    if layout == "hnd":
+        return arrays["key_cache"], arrays["value_cache"]
+    if layout == "nhd":
+        return arrays["key_cache"].swapaxes(1, 2), arrays["value_cache"].swapaxes(1, 2)
+    if layout == "kv_hnd":
+        kv = arrays["kv_cache"]
+        return kv[:, 0], kv[:, 1]
+    if layout == "kv_nhd":
+        kv = arrays["kv_cache"]
+        return kv[:, 0].swapaxes(1, 2), kv[:, 1].swapaxes(1, 2)
+    if layout == "kv_last":
+        kv = arrays["kv_cache"]
+        D = kv.shape[-1] // 2
+        return kv[..., :D], kv[..., D:]
+    if layout == "vllm_split":
+        keys, values = arrays["key_cache"], arrays["value_cache"]
+        P, hkv, chunks, ps, x = keys.shape
+        return keys.transpose(0, 1, 3, 2, 4).reshape(P, hkv, ps, chunks * x), values.swapaxes(2, 3)
+    raise ValueError(f"unknown KV layout {layout!r}")
+
+
+def copies(layout: str) -> int:
+    """Pool-sized copies a conversion makes (the memory estimate: Capabilities.extra_memory)."""
+    return 0 if layout == "hnd" else 1

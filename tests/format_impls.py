@@ -1,0 +1,142 @@
+"""Kernels in foreign formats for tests/test_formats.py and tests/test_bridges.py, loaded
+through `--impl tests.format_impls:NAME`.
+
+`native_reference(fmt)` is a float64 NumPy kernel that reads its arguments in the native
+format `fmt` declares, by each format's own definition (the accessors below, written
+from the tables in conformance/formats, not through its converters): if the converters
+and these definitions disagree, the catalog fails it. Each BROKEN entry misreads one
+convention the way real adapters do and names the clause the catalog must point at.
+
+| name                       | format                                    | the defect                          | clause |
+|----------------------------|-------------------------------------------|-------------------------------------|--------|
+| `nhd_csr_varlen_flash`     | nhd, csr, varlen, flash                   | none                                | -      |
+| `kv_hnd_flashinfer`        | kv_hnd, padded, padded, flashinfer        | none                                | -      |
+| `kv_nhd_csr`               | kv_nhd, csr, padded, count                | none                                | -      |
+| `kv_last_varlen`           | kv_last, padded, varlen, count            | none                                | -      |
+| `vllm_split_varlen_f16`    | vllm_split, padded, varlen, count; f16/bf16 | none                              | -      |
+| `flash_left_as_count`      | nhd, padded, padded, flash                | window_size[0] read as the key count | window |
+| `csr_last_as_index`        | hnd, csr, padded, count                   | kv_last_page_len read as the last slot's index | oracle |
+| `varlen_rows_from_start`   | hnd, padded, varlen, count                | packed rows placed at positions 0..n-1 | causal |
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from conformance.bridges import from_numpy
+
+
+def _rows(layout, kw, pages, slots):
+    """K and V of the given (page, slot) pairs: `[n, Hkv, D]` each, float64."""
+    if layout == "hnd":
+        k, v = kw["key_cache"][pages, :, slots], kw["value_cache"][pages, :, slots]
+    elif layout == "nhd":
+        k, v = kw["key_cache"][pages, slots], kw["value_cache"][pages, slots]
+    elif layout == "kv_hnd":
+        k, v = kw["kv_cache"][pages, 0, :, slots], kw["kv_cache"][pages, 1, :, slots]
+    elif layout == "kv_nhd":
+        k, v = kw["kv_cache"][pages, 0, slots], kw["kv_cache"][pages, 1, slots]
+    elif layout == "kv_last":
+        d = kw["kv_cache"].shape[-1] // 2
+        k, v = kw["kv_cache"][pages, :, slots, :d], kw["kv_cache"][pages, :, slots, d:]
+    else:  # vllm_split: key [P, Hkv, D/x, ps, x], value [P, Hkv, D, ps]
+        k = kw["key_cache"][pages, :, :, slots, :]
+        k = k.reshape(k.shape[0], k.shape[1], k.shape[2] * k.shape[3])
+        v = kw["value_cache"][pages, :, :, slots]
+    return k.astype(np.float64), v.astype(np.float64)
+
+
+def _requests(fmt, kw, defect):
+    """Per request: (its pages, its context)."""
+    ps = kw["page_size"]
+    if fmt["page_table"] == "padded":
+        lens = kw["seq_lens"]
+        return [(kw["block_table"][b, :-(-int(c) // ps)], int(c)) for b, c in enumerate(lens)]
+    ptr, idx, last = kw["kv_indptr"], kw["kv_indices"], kw["kv_last_page_len"]
+    out = []
+    for b in range(len(ptr) - 1):
+        n = int(ptr[b + 1] - ptr[b])
+        tail = int(last[b]) + (1 if defect == "csr_last_as_index" else 0)
+        out.append((idx[ptr[b]:ptr[b + 1]], (n - 1) * ps + tail if n else 0))
+    return out
+
+
+def _queries(fmt, kw, b, ctx, defect):
+    """Request b's query rows `[n, Hq, D]` and their positions."""
+    if fmt["query_packing"] == "padded":
+        q = kw["query"][b].swapaxes(0, 1)
+    else:
+        cu = kw["cu_seqlens_q"]
+        q = kw["query"][cu[b]:cu[b + 1]]
+    first = 0 if defect == "varlen_rows_from_start" else ctx - len(q)
+    return q.astype(np.float64), np.arange(first, first + len(q))
+
+
+def _window(fmt, kw, defect):
+    conv = fmt["window_convention"]
+    if conv == "count":
+        return kw["window"]
+    left = kw["window_size"][0] if conv == "flash" else kw["window_left"]
+    if left < 0:
+        return None
+    return left if defect == "flash_left_as_count" else left + 1
+
+
+def _attend(q, positions, k, v, scale, causal, window):
+    """float64 attention of rows q `[n, Hq, D]` at `positions` over keys `[ctx, Hkv, D]`."""
+    n, hq, _ = q.shape
+    group = hq // k.shape[1]
+    keys = np.arange(len(k))
+    out = np.zeros((n, hq, v.shape[-1]))
+    for i, p in enumerate(positions):
+        seen = (keys <= p) & (keys > p - window if window else True) if causal else np.ones(len(k), bool)
+        for h in range(hq):
+            s = k[seen, h // group] @ q[i, h] * scale
+            w = np.exp(s - s.max())
+            out[i, h] = w @ v[seen, h // group] / w.sum()
+    return out
+
+
+def native_reference(defect: str | None = None, **fmt):
+    """A float64 kernel in the native format `fmt` (layout, page_table, query_packing,
+    window_convention), optionally with one `defect`."""
+    fmt = {"layout": "hnd", "page_table": "padded", "query_packing": "padded", "window_convention": "count", **fmt}
+
+    def kernel(**kw):
+        window = _window(fmt, kw, defect)
+        outs = []
+        for b, (pages, ctx) in enumerate(_requests(fmt, kw, defect)):
+            pos = np.arange(ctx)
+            k, v = _rows(fmt["layout"], kw, np.asarray(pages)[pos // kw["page_size"]], pos % kw["page_size"])
+            q, positions = _queries(fmt, kw, b, ctx, defect)
+            o = _attend(q, positions, k, v, kw["scale"], kw["causal"], window) if ctx else np.zeros(
+                (len(q),) + q.shape[1:2] + (kw["query"].shape[-1],))
+            outs.append(o)
+        if fmt["query_packing"] == "varlen":
+            return np.concatenate(outs) if outs else np.zeros((0,) + kw["query"].shape[1:])
+        return np.stack([o.swapaxes(0, 1) for o in outs]) if outs else np.zeros(kw["query"].shape)
+
+    return kernel
+
+
+def _impl(defect=None, breaks=None, **fmt_and_caps):
+    fmt = {k: fmt_and_caps.pop(k) for k in ("layout", "page_table", "query_packing", "window_convention")
+           if k in fmt_and_caps}
+    fn = from_numpy(native_reference(defect, **fmt), validates_input=False, **fmt, **fmt_and_caps)
+    if breaks:
+        fn.breaks = breaks
+    return fn
+
+
+nhd_csr_varlen_flash = _impl(layout="nhd", page_table="csr", query_packing="varlen", window_convention="flash")
+kv_hnd_flashinfer = _impl(layout="kv_hnd", window_convention="flashinfer")
+kv_nhd_csr = _impl(layout="kv_nhd", page_table="csr")
+kv_last_varlen = _impl(layout="kv_last", query_packing="varlen")
+vllm_split_varlen_f16 = _impl(layout="vllm_split", query_packing="varlen", dtypes=["float16", "bfloat16"])
+CORRECT = ("nhd_csr_varlen_flash", "kv_hnd_flashinfer", "kv_nhd_csr", "kv_last_varlen", "vllm_split_varlen_f16")
+
+flash_left_as_count = _impl("flash_left_as_count", "window", layout="nhd", window_convention="flash")
+csr_last_as_index = _impl("csr_last_as_index", "oracle", page_table="csr")
+varlen_rows_from_start = _impl("varlen_rows_from_start", "causal", query_packing="varlen")
+BROKEN = {name: globals()[name].breaks for name in ("flash_left_as_count", "csr_last_as_index",
+                                                     "varlen_rows_from_start")}

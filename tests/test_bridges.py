@@ -1,0 +1,156 @@
+"""The bridges (conformance/bridges.py) and the catalog through foreign formats.
+
+The torch bridge hands the kernel tensors in the query's own dtype and brings the result
+back bit for bit; the kernel's exceptions pass through as its own. Each native-format
+kernel of tests/format_impls.py (and the torch one) passes the operator catalog through
+its converters, unchanged; each kernel that misreads a convention fails at its clause.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conformance import from_mlx, load
+from conformance.bridges import from_numpy
+from fixtures import bits, paged_case
+from tests import format_impls
+from tests.test_plugin import run_catalog
+
+CATALOG = ["tests/test_hand_fixtures.py", "tests/test_differential.py", "tests/test_mixed_lengths.py",
+           "tests/test_rejections.py", "tests/test_invariants.py"]
+
+
+def _case(dtype="bfloat16"):
+    return paged_case(context_lens=[9, 0, 14], query_len=2, q_heads=4, kv_heads=2, head_dim=8, page_size=4,
+                      dtype=dtype, seed=11)
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch", reason="the torch bridge needs torch (pip install torch==2.13.0)")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_torch_bridge_keeps_dtype_and_bits(dtype, torch):
+    from conformance.bridges import from_torch
+
+    seen = {}
+
+    def kernel(query, key_pages, value_pages, block_table, context_lens, page_size, *, scale, mask, window):
+        seen.update(query=query.dtype, pool=key_pages.dtype, table=block_table.dtype, device=str(query.device),
+                    kinds={type(x) for x in (query, key_pages, value_pages, block_table, context_lens)})
+        return query.clone()
+
+    case = _case(dtype)
+    out = case.run(from_torch(kernel))
+    want = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    assert seen == {"query": want, "pool": want, "table": torch.int32, "device": "cpu", "kinds": {torch.Tensor}}
+    assert out.dtype == case.dtype and bits(out) == bits(case.query)
+
+
+def test_torch_bridge_passes_the_kernels_errors_through(torch):
+    from conformance.bridges import from_torch
+
+    def kernel(*args, **kwargs):
+        raise RuntimeError("page id 999 out of range (the kernel's own words)")
+
+    with pytest.raises(RuntimeError, match=r"the kernel's own words"):
+        _case().run(from_torch(kernel, error_types=[RuntimeError]))
+
+
+def test_torch_bridge_widens_only_when_declared(torch):
+    from conformance.bridges import from_torch
+
+    seen = []
+
+    def kernel(query, *args, **kwargs):
+        seen.append(query.dtype)
+        return query * 1  # float32 when widened
+
+    case = _case("bfloat16")
+    out = case.run(from_torch(kernel, widens_to="float32"))
+    assert seen == [torch.float32] and out.dtype == mx.bfloat16 and bits(out) == bits(case.query)
+    raw = case.run(from_torch(lambda query, *a, **k: query.float()))
+    assert raw.dtype == mx.float32, "without widens_to the kernel's own result dtype must come back unchanged"
+
+
+def test_torch_bridge_rejects_what_it_cannot_carry(torch):
+    from conformance.bridges import from_torch
+
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        _case().run(from_torch(lambda *a, **k: np.zeros(3)))
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        from_torch(lambda *a, **k: None, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            from_torch(lambda *a, **k: None, device="cuda")
+
+
+def test_torch_bridge_native_call_gets_its_format(torch):
+    from conformance.bridges import from_torch
+
+    seen = {}
+
+    def kernel(**kw):
+        seen.update({k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+        return torch.zeros(kw["query"].shape, dtype=kw["query"].dtype)
+
+    case = _case("float16")
+    case.run(from_torch(kernel, layout="nhd", query_packing="varlen", window_convention="flash"))
+    P = case.key_pages.shape[0]
+    assert seen["query"] == ((4, 4, 8), torch.float16)  # two requests of L = 2; the empty slot packs none
+    assert seen["key_cache"] == ((P, 4, 2, 8), torch.float16) and seen["cu_seqlens_q"] == ((4,), torch.int32)
+    assert seen["window_size"] == (-1, -1) and seen["causal"] is True and seen["max_seqlen_q"] == 2
+
+
+def test_bridges_add_their_copies_to_the_memory_estimate():
+    plain = from_numpy(lambda *a, **k: None)
+    native = from_numpy(lambda **k: None, layout="nhd", extra_memory=1.0)
+    assert plain.pagecheck_capabilities["extra_memory"] == 4.0 + 2
+    assert native.pagecheck_capabilities["extra_memory"] == 1.0 + 2 + 1
+    assert native.pagecheck_capabilities["framework"] == "numpy"
+
+
+def test_load_converts_an_mlx_kernel_that_declares_a_format(monkeypatch):
+    import sys
+    import types
+
+    def kernel(**kw):
+        assert set(kw) >= {"key_cache", "value_cache", "kv_indptr", "window_left"}
+        return mx.zeros(kw["query"].shape, dtype=kw["query"].dtype)
+
+    kernel.pagecheck_capabilities = {"layout": "nhd", "page_table": "csr", "window_convention": "flashinfer"}
+    monkeypatch.setitem(sys.modules, "native_mlx_kernel", types.SimpleNamespace(kernel=kernel))
+    impl = load("native_mlx_kernel:kernel")
+    assert impl.caps.layout == "nhd" and impl.caps.framework == "mlx"
+    case = _case("float32")
+    assert case.run(impl.fn).shape == case.query.shape
+    assert from_mlx(kernel).pagecheck_contract_form
+
+
+@pytest.mark.parametrize("name", format_impls.CORRECT)
+def test_native_format_kernel_passes_the_catalog(name, tmp_path):
+    proc, record = run_catalog(f"tests.format_impls:{name}", tmp_path, CATALOG)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    ran = {c["id"].split("::")[0] for c in record["checks"] if c["outcome"] == "passed"}
+    assert {"tests/test_hand_fixtures.py", "tests/test_differential.py"} <= ran, ran
+    varlen = getattr(format_impls, name).pagecheck_capabilities.get("query_packing") == "varlen"
+    assert ("tests/test_mixed_lengths.py" in ran) == varlen
+
+
+@pytest.mark.parametrize("name", sorted(format_impls.BROKEN))
+def test_native_format_misread_fails_at_its_clause(name, tmp_path):
+    clause = format_impls.BROKEN[name]
+    proc, record = run_catalog(f"tests.format_impls:{name}", tmp_path, CATALOG[:3])
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    failed = [c for c in record["checks"] if c["outcome"] == "failed"]
+    assert any(clause in c["clauses"] for c in failed), [(c["id"], c["clauses"]) for c in failed][:10]
+
+
+def test_torch_kernel_passes_the_catalog(torch, tmp_path):
+    proc, record = run_catalog("tests.torch_impls:nhd_varlen_flash", tmp_path, CATALOG)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert record["capabilities"]["framework"] == "torch"
+    assert record["counts"]["passed"] >= 100, record["counts"]
