@@ -1,7 +1,8 @@
 """`python -m conformance [--impl MODULE:ATTR] [--out DIR] [PYTEST_ARGS ...]`: the main job.
 
 Runs the correctness catalog (`pytest -m correctness`) on the implementation (built-in by
-default) and writes DIR/conformance.md and DIR/conformance.html (DIR: reports/). Exit
+default) and writes DIR/conformance.md, .html and .json (DIR: reports/), and for each
+failed check a standalone reproduction DIR/repro/<check>.py (conformance/repro.py). Exit
 status: pytest's (0 when every check passed or was skipped with a reason, 1 on any
 failure, 4 on a usage error such as a bad --impl).
 """

@@ -37,7 +37,10 @@ class Implementation:
         reason = self.unsupported(*args, **kwargs)
         if reason:
             pytest.skip(f"not declared by {self.name}: {reason}")
-        return self.fn(*args, **kwargs)
+        from .repro import CALLS  # a failing check's last call becomes its repro (conformance/repro.py)
+
+        with CALLS.call(args, kwargs):
+            return self.fn(*args, **kwargs)
 
     def unsupported(self, query, key_pages, value_pages, block_table, context_lens, page_size, *,
                     scale=None, mask="causal", window=None) -> str | None:
@@ -54,6 +57,21 @@ class Implementation:
         """Skips the calling check unless the capability is declared."""
         if not getattr(self.caps, capability):
             pytest.skip(f"not declared by {self.name}: {capability} (declare it in pagecheck_capabilities)")
+
+    def packed(self, mixed):
+        """Runs a batch of mixed query lengths (fixtures/mixed.py) as one packed call;
+        skips unless the implementation takes varlen queries. Returns `[T, Hq, D]`."""
+        if not hasattr(self.fn, "packed"):
+            pytest.skip(f"not declared by {self.name}: mixed query lengths in one batch need "
+                        f"query_packing='varlen' (the padded form gives every request the same L)")
+        dtype = str(mixed.query.dtype).removeprefix("mlx.core.")
+        reason = self.caps.unsupported(dtype=dtype, head_dim=mixed.query.shape[-1], page_size=mixed.page_size,
+                                       query_len=mixed.max_query_len, mask=mixed.mask, window=mixed.window)
+        if reason:
+            pytest.skip(f"not declared by {self.name}: {reason}")
+        out = self.fn.packed(*mixed.args(), **mixed.kwargs())
+        mx.eval(out)
+        return out
 
     def set_num_threads(self, n: int) -> None:
         self.require("bitwise_threads")
@@ -97,7 +115,13 @@ def load(spec: str | None) -> Implementation:
     if obj is impl.paged_attention:
         return builtin()
     try:
-        caps = Capabilities.declared(getattr(obj, "pagecheck_capabilities", None))
+        declared = getattr(obj, "pagecheck_capabilities", None)
+        caps = Capabilities.declared(declared)
+        if caps.native_call and not getattr(obj, "pagecheck_contract_form", False):
+            from .bridges import from_mlx  # an MLX kernel in a foreign format: convert each call
+
+            obj = from_mlx(obj)
+            caps = Capabilities.declared(obj.pagecheck_capabilities)
     except ValueError as e:
         raise UsageError(f"--impl {spec!r}: bad pagecheck_capabilities: {e}") from None
     return Implementation(spec, obj, caps)

@@ -4,7 +4,7 @@ the conformance report is written from.
 | piece                       | what it does                                                  |
 |-----------------------------|---------------------------------------------------------------|
 | `--impl MODULE:ATTR`        | the callable checked (default: the built-in kernel)           |
-| `--report-dir DIR`          | also write DIR/conformance.md, .html and .json                |
+| `--report-dir DIR`          | also write DIR/conformance.md, .html and .json, and DIR/repro/<check>.py (+ .npz) per failed check (conformance/repro.py) |
 | fixture `attention`         | the `Implementation` under test (session scope)               |
 | fixture `error_log`         | worst error against each oracle per dtype, for the report     |
 | marker `builtin_only(why)`  | a check of pagecheck's own pool / scheduler / kernel internals: skipped, with `why`, for another implementation |
@@ -13,11 +13,13 @@ the conformance report is written from.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from . import repro as _repro
 from . import report as _report
 from .clauses import describe
 from .implementation import UsageError, load
@@ -45,6 +47,8 @@ class Outcome:
     clauses: tuple
     message: str = ""
     seconds: float = 0.0
+    repro: str = ""  # failed: its reproduction script, relative to the report directory
+    repro_note: str = ""  # why none was written, or what it cannot show
 
 
 class Recorder:
@@ -97,9 +101,16 @@ def pytest_configure(config):
                                        "skipped for another implementation")
     config.addinivalue_line("markers", "clause(*ids): contract clauses the check checks")
     try:
-        _STATE["impl"] = load(config.getoption("impl"))
+        impl = load(config.getoption("impl"))
     except UsageError as e:
         raise pytest.UsageError(str(e)) from None
+    # tests call `attention(...)` and, for rejections, the plain `attention.fn(...)`: both record
+    _STATE["impl"] = dataclasses.replace(impl, fn=_repro.recording(impl.fn))
+    out = config.getoption("report_dir")
+    if out and not hasattr(config, "workerinput"):  # repro files of an earlier run are stale
+        for old in (Path(out) / "repro").glob("*"):
+            if old.suffix in (".py", ".npz") and old.is_file():
+                old.unlink()
 
 
 def pytest_report_header(config):
@@ -130,15 +141,46 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"built-in only: checks {why}"))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _repro.CALLS.clear()  # each check records its own calls
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     result = yield
     rep = result.get_result()
+    repro = None
     if rep.failed:
         clauses = _clauses(item)
         if clauses:
             rep.sections.append(("contract clause", "\n".join(describe(c) for c in clauses)))
+        out = item.config.getoption("report_dir")
+        if out and rep.when == "call":
+            repro = _write_repro(item, rep, Path(out))
+            if repro.path:
+                rep.sections.append(("pagecheck repro", f"python {Path(out) / repro.path}"
+                                     + (f"  ({repro.note})" if repro.note else "")))
+        elif out:
+            repro = _repro.Repro(note=f"none: the check failed in its {rep.when}")
+    before = RECORDER.outcomes.get(rep.nodeid)
     RECORDER.add(item, rep)
+    outcome = RECORDER.outcomes.get(rep.nodeid)
+    if repro is not None and outcome is not None and outcome is not before:  # this report made the outcome
+        outcome.repro, outcome.repro_note = repro.path, repro.note
+    if rep.when == "teardown":
+        _repro.CALLS.clear()  # let the check's arrays go
+
+
+def _write_repro(item, rep, out: Path):
+    doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
+    statement = doc.strip().split("\n\n")[0]
+    try:
+        return _repro.write(_repro.CALLS.last, out / "repro", nodeid=rep.nodeid, impl=current(),
+                            clauses=_clauses(item), statement=statement,
+                            message=_repro.short_message(_message(rep), getattr(item, "fixturenames", ())))
+    except Exception as e:  # noqa: BLE001 - a repro that cannot be written must not hide the failure
+        return _repro.Repro(note=f"not written: {type(e).__name__}: {e}")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -147,9 +189,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     doc = _report.build(current(), RECORDER, exitstatus)
     tr = terminalreporter
     tr.section("pagecheck verification summary")
-    for line in _report.terminal_lines(doc):
-        tr.line(line)
     out = config.getoption("report_dir")
+    for line in _report.terminal_lines(doc, Path(out) if out else None):
+        tr.line(line)
     if out:
         paths = _report.write(doc, Path(out))
         tr.line("report: " + ", ".join(str(p) for p in paths))

@@ -3,8 +3,8 @@
 | section           | content                                                          |
 |-------------------|------------------------------------------------------------------|
 | header            | implementation, declared capabilities, versions, verdict, counts |
+| failures          | first: each failed check, the contract clause it points at, the message and its reproduction script (`repro/<check>.py`, conformance/repro.py) |
 | areas             | passed / failed / skipped per check area                          |
-| failures          | each failed check: the contract clause it points at and the message |
 | skipped           | each skip reason with its count (declarations, built-in-only checks) |
 | errors            | worst abs / relative error and share of the allowance, per dtype and oracle |
 | mutants           | built-in only: the seeded-mutant kill table (reports/mutants.json) and the mutmut score (reports/mutmut.json), when those runs have been made |
@@ -51,6 +51,7 @@ AREAS = {
     "test_mutmut_kills": "mutmut survivors in the serving core, each killed by name",
     "test_mutmut_kills_contract": "mutmut survivors in validation, each killed by name",
     "test_plugin": "the --impl plug-in path: oracle passes, broken kernels fail",
+    "test_repro": "a failed check as a standalone reproduction script",
 }
 
 
@@ -59,6 +60,17 @@ class Section:
     title: str
     text: list = field(default_factory=list)  # paragraphs
     table: tuple | None = None  # (header, rows)
+    key: str = ""  # head | failures | areas | skipped | errors | ... (what the terminal shows)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A table cell that links a file (a path relative to the report directory)."""
+
+    href: str
+
+    def __str__(self) -> str:
+        return self.href
 
 
 @dataclass
@@ -91,39 +103,65 @@ def build(impl, recorder, exitstatus) -> Doc:
         f"verdict: **{verdict}** - {total['passed']} passed, {total['failed']} failed, "
         f"{total['skipped']} skipped",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {_versions()}",
-    ], (["capability", "declared"], [[k, str(v)] for k, v in impl.caps.summary().items()]))
+    ], (["capability", "declared"], [[k, str(v)] for k, v in impl.caps.summary().items()]), key="head")
     by_area = collections.defaultdict(collections.Counter)
     for o in outcomes:
         by_area[_area(o.nodeid)][o.outcome] += 1
     rank = {a: i for i, a in enumerate(AREAS)}  # AREAS order first, unknown areas after, by name
     areas = Section("Checks by area", table=(["area", "what", "passed", "failed", "skipped"], [
         [a, AREAS.get(a, ""), str(c["passed"]), str(c["failed"]), str(c["skipped"])]
-        for a, c in sorted(by_area.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))]))
+        for a, c in sorted(by_area.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))]), key="areas")
     fails = [o for o in outcomes if o.outcome == "failed"]
-    failures = Section("Failures", ["none"] if not fails else [], None if not fails else (
-        ["check", "contract clause", "message"],
-        [[o.nodeid, "; ".join(describe(c) for c in o.clauses) or "-", _one_line(o.message)] for o in fails]))
+    failures = Section("Failures", ["none"] if not fails else [REPRO_HELP], None if not fails else (
+        ["check", "contract clause", "message", "reproduction"],
+        [[o.nodeid, "; ".join(describe(c) for c in o.clauses) or "-", _one_line(o.message), _repro_cell(o)]
+         for o in fails]), key="failures")
     reasons = collections.Counter(o.message for o in outcomes if o.outcome == "skipped")
     skipped = Section("Skipped (counted, never passed)", ["none"] if not reasons else [],
                       None if not reasons else (["reason", "checks"],
-                                                [[_one_line(r), str(n)] for r, n in reasons.most_common()]))
+                                                [[_one_line(r), str(n)] for r, n in reasons.most_common()]),
+                      key="skipped")
     errors = Section("Error against each oracle (worst over the checks, per dtype)", [
         "relative error = max |out - ref| / max |ref|; share = error / the tolerance rule's allowance "
         "(oracles/tolerance.py); `hand` = answers derived by hand."],
         (["dtype", "oracle", "max abs error", "max rel error", "worst share of allowance"],
-         [[d, a, f"{e:.3e}", f"{r:.3e}", f"{s:.0%}"] for (d, a), (e, r, s) in sorted(recorder.errors.worst.items())]))
-    sections = [head, areas, failures, skipped, errors]
+         [[d, a, f"{e:.3e}", f"{r:.3e}", f"{s:.0%}"] for (d, a), (e, r, s) in sorted(recorder.errors.worst.items())]),
+        key="errors")
+    sections = [head, failures, areas, skipped, errors]  # failures first: what to fix, and how to rerun it
     if impl.builtin:
         sections += _mutant_sections()
     sections.append(Section("Every check", table=(["check", "result", "clauses", "detail"], [
         [o.nodeid, o.outcome, ", ".join(o.clauses) or "-", _one_line(o.message)[:160]] for o in outcomes])))
     data = {"implementation": impl.name, "builtin": impl.builtin, "capabilities": impl.caps.summary(),
             "verdict": verdict, "counts": dict(total),
-            "checks": [{"id": o.nodeid, "outcome": o.outcome, "clauses": list(o.clauses), "message": o.message}
+            "checks": [{"id": o.nodeid, "outcome": o.outcome, "clauses": list(o.clauses), "message": o.message,
+                        **({"repro": getattr(o, "repro", "") or None, "repro_note": getattr(o, "repro_note", "")}
+                           if o.outcome == "failed" else {})}
                        for o in outcomes],
             "errors": [{"dtype": d, "oracle": a, "max_abs": e, "max_rel": r, "share_of_allowance": s}
                        for (d, a), (e, r, s) in sorted(recorder.errors.worst.items())]}
     return Doc("pagecheck conformance report", verdict, sections, data)
+
+
+REPRO_HELP = ("Each failed check that called the implementation has a standalone reproduction beside this "
+              "report: `python repro/<check>.py` (the failing input, the call and the float64 oracle's answer; "
+              "exit 1 while it fails, 0 once it passes; `--impl MODULE:ATTR` runs it on another kernel).")
+
+
+def _repro_cell(o):
+    path, note = getattr(o, "repro", ""), getattr(o, "repro_note", "")
+    if path:
+        return [Link(path), _one_line(note)] if note else Link(path)
+    return _one_line(note or "none (no --report-dir)")
+
+
+def _cell_text(cell, directory=None) -> str:
+    """A cell as plain text (terminal): links as paths (under `directory` when given)."""
+    if isinstance(cell, list):
+        return " ".join(_cell_text(c, directory) for c in cell)
+    if isinstance(cell, Link):
+        return str(directory / cell.href) if directory is not None else cell.href
+    return str(cell).replace("\\|", "|")
 
 
 def _one_line(text: str) -> str:
@@ -150,19 +188,24 @@ def _mutant_sections() -> list:
     return out
 
 
-def terminal_lines(doc: Doc) -> list:
+def terminal_lines(doc: Doc, directory: Path | None = None) -> list:
+    """The summary, in the document's order (failures first); repro links as paths under
+    `directory` (the report directory) when given."""
     lines = [doc.sections[0].text[0].strip("*")]
-    area = doc.sections[1].table
-    lines.append(f"{'area':<26} {'':<52} {'passed':>6} {'failed':>6} {'skipped':>7}")
-    for a, what, p, f, s in area[1]:
-        lines.append(f"{a:<26} {what[:52]:<52} {p:>6} {f:>6} {s:>7}")
-    for section in doc.sections[2:5]:
-        if section.table and section.table[1]:
+    for section in doc.sections[1:]:
+        if section.key == "areas":
+            lines.append("")
+            lines.append(f"{'area':<26} {'':<52} {'passed':>6} {'failed':>6} {'skipped':>7}")
+            for a, what, p, f, s in section.table[1]:
+                lines.append(f"{a:<26} {what[:52]:<52} {p:>6} {f:>6} {s:>7}")
+        elif section.key in ("failures", "skipped", "errors") and section.table and section.table[1]:
             lines.append("")
             lines.append(section.title + ":")
             lines.append("  " + " | ".join(section.table[0]))
             for row in section.table[1][:20]:
-                lines.append("  " + " | ".join(cell.replace("\\|", "|")[:120] for cell in row))
+                lines.append("  " + " | ".join(
+                    _cell_text(cell, directory) if isinstance(cell, (Link, list)) else _cell_text(cell)[:120]
+                    for cell in row))
     lines += ["", f"verdict: {doc.verdict}"]
     return lines
 
@@ -176,15 +219,31 @@ def markdown(doc: Doc) -> str:
             header, rows = s.table
             out.append("| " + " | ".join(header) + " |")
             out.append("|" + "---|" * len(header))
-            out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+            out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
             out.append("")
     return "\n".join(out)
 
 
+def _md_cell(cell) -> str:
+    if isinstance(cell, list):
+        return " ".join(_md_cell(c) for c in cell)
+    if isinstance(cell, Link):
+        return f"[{cell.href}]({cell.href})"
+    return str(cell)
+
+
 def to_html(doc: Doc) -> str:
+    def inner(text):
+        if isinstance(text, list):
+            return " ".join(inner(t) for t in text)
+        if isinstance(text, Link):
+            return f'<a href="{html.escape(text.href)}">{html.escape(text.href)}</a>'
+        return html.escape(str(text).replace(chr(92) + '|', '|'))
+
     def cell(text, tag="td"):
-        cls = f' class="{text}"' if text in ("passed", "failed", "skipped", "killed", "survived") else ""
-        return f"<{tag}{cls}>{html.escape(str(text).replace(chr(92) + '|', '|'))}</{tag}>"
+        cls = f' class="{text}"' if isinstance(text, str) and text in (
+            "passed", "failed", "skipped", "killed", "survived") else ""
+        return f"<{tag}{cls}>{inner(text)}</{tag}>"
 
     body = [f"<h1>{html.escape(doc.title)}</h1>"]
     for s in doc.sections:

@@ -6,6 +6,11 @@ one contract clause on purpose, by bending the arguments or the result of the bu
 kernel, and names the clause the catalog's failures must point at. None of these is
 something the catalog knows about: it sees only a callable.
 
+`float64_oracle_narrow`, `builtin_narrow`, `builtin_decode_only` and
+`builtin_huge_extra_memory` (tests/test_declarations.py) are correct kernels with
+narrow or demanding declarations: what they rule out must be skipped with the reason,
+never drawn and filtered, never failed.
+
 | name                        | the defect                                           | clause it breaks |
 |-----------------------------|------------------------------------------------------|------------------|
 | `round_robin_gqa`           | query head h reads KV head h % Hkv                   | gqa              |
@@ -31,6 +36,11 @@ from oracles.numpy64 import attention_f64
 float64_oracle = from_numpy(attention_f64, validates_input=False, bitwise_batch=True)
 # the same oracle declaring a narrow kernel: float32 decode only (the rest must be skipped)
 float64_oracle_decode_f32 = from_numpy(attention_f64, validates_input=False, dtypes=["float32"], prefill=False)
+# ... declaring what a vLLM-CPU-like kernel computes (tests/test_declarations.py): the
+# property checks must draw only these shapes, never filter them out
+NARROW = {"dtypes": ["float32", "float16"], "head_dims": [32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256],
+          "block_multiple": 16}
+float64_oracle_narrow = from_numpy(attention_f64, validates_input=False, bitwise_batch=True, **NARROW)
 
 
 def bad_capabilities(*args, **kwargs):
@@ -39,6 +49,24 @@ def bad_capabilities(*args, **kwargs):
 
 
 bad_capabilities.pagecheck_capabilities = {"bitwise": True}
+
+
+def _declaring(**capabilities):
+    """The built-in kernel behind a foreign name with this declaration (it validates, so
+    the rejection checks run; it reads the pools in place whatever extra_memory says)."""
+    def paged_attention(*args, **kwargs):
+        return impl.paged_attention(*args, **kwargs)
+
+    paged_attention.pagecheck_capabilities = capabilities
+    return paged_attention
+
+
+# the narrow declaration on a validating kernel: the rejection checks draw from it too
+builtin_narrow = _declaring(bitwise_batch=True, **NARROW)
+# decode only: the context_short rejection (0 < context < L needs L >= 2) is ruled out everywhere
+builtin_decode_only = _declaring(prefill=False)
+# a kernel that says one call may allocate a million times its pools: the 4 GiB fixture never fits
+builtin_huge_extra_memory = _declaring(extra_memory=1e6)
 
 
 def _broken(clause: str, **capabilities):

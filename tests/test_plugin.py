@@ -123,7 +123,8 @@ def test_numpy_adapter_boundary():
         return np.full(query.shape, 1.0 / 3.0)
 
     fn = from_numpy(kernel, dtypes=["bfloat16"])
-    assert fn.pagecheck_capabilities == {"dtypes": ["bfloat16"]}
+    assert fn.pagecheck_capabilities == {"dtypes": ["bfloat16"], "framework": "numpy", "device": "cpu",
+                                         "extra_memory": 4.0 + 2}  # the float32 copy of bf16 pools: 2x
     q = mx.zeros((1, 2, 1, 4), dtype=mx.bfloat16)
     pages = mx.zeros((2, 1, 4, 4), dtype=mx.bfloat16)
     out = fn(q, pages, pages, mx.array([[1]], dtype=mx.int32), mx.array([1], dtype=mx.int32), 4, mask=None)

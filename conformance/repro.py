@@ -1,0 +1,466 @@
+"""A failed check becomes a standalone reproduction: `<report dir>/repro/<check>.py`.
+
+| piece        | what it does                                                              |
+|--------------|---------------------------------------------------------------------------|
+| `CALLS`      | the last call the implementation under test received in the running check (`Implementation.__call__` and the plain `attention.fn` both record; the plugin clears it at each check's setup) |
+| `recording`  | wraps a callable so its calls are recorded (the plugin wraps `attention.fn`)   |
+| `write`      | one failed check's call -> `<name>.npz` (the arrays, the float64 oracle's answer, the tolerance rule's allowance) and `<name>.py` (loads them, calls the kernel, says how far off it is; exit 1 while it fails) |
+
+Why the last call: a check's failing assertion follows the call it judges, and
+hypothesis replays the shrunk failing example last, so the last call is the shrunk one.
+A check that compares two calls (batch, thread or schedule invariance, a scrambled
+table against the clean one) is reproduced by its last call against the oracle only;
+the script says so, with the check's statement.
+
+A call the contract rejects (impl/validation.py says why) makes a rejection repro: the
+script passes when the kernel raises one of its declared error types with a message,
+and says what happened instead. Arrays over `MAX_BYTES` (the 4 GiB fixture) are not
+written; the report line says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import math
+import re
+import textwrap
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+MAX_BYTES = 64 * 2 ** 20
+DEFAULT_ERRORS = ("ValueError", "TypeError")
+# checks pointing at these clauses compare the outputs of two calls
+COMPARES_CALLS = {"inv2": "the output of one table order against another",
+                  "inv3": "a request on shared pages against the same request alone",
+                  "inv6": "a request's bits in the batch against its bits alone (or in another batch)",
+                  "inv7": "the bits under one worker count against another",
+                  "inv8": "a prefill row's bits against the one-token decode at its position",
+                  "inv9": "the output with garbage in unread slots or entries against the clean one"}
+NATIVE_KEYS = ("layout", "page_table", "query_packing", "window_convention")
+
+
+def _contract(query, key_pages, value_pages, block_table, context_lens, page_size, *,
+              scale=None, mask="causal", window=None):
+    """The contract's signature (REFERENCE.md section 1), for naming recorded arguments."""
+
+
+SIGNATURE = inspect.signature(_contract)
+
+
+@dataclass(frozen=True)
+class Call:
+    args: tuple
+    kwargs: dict
+    unwritable: str = ""  # set for a call a script cannot restate in the contract's form
+
+
+class CallLog:
+    """The last call of the running check; a call made inside a recorded call (the
+    `Implementation` calling its wrapped `fn`) is the same call, recorded once."""
+
+    def __init__(self):
+        self.last: Call | None = None
+        self._depth = 0
+
+    def clear(self) -> None:
+        self.last = None
+
+    @contextmanager
+    def call(self, args: tuple, kwargs: dict, unwritable: str = ""):
+        if self._depth == 0:
+            self.last = Call(tuple(args), dict(kwargs), unwritable)
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+
+CALLS = CallLog()
+
+
+def recording(fn):
+    """`fn` with its calls recorded in CALLS (attributes such as pagecheck_capabilities kept)."""
+    import functools
+
+    @functools.wraps(fn)
+    def recorded(*args, **kwargs):
+        with CALLS.call(args, kwargs):
+            return fn(*args, **kwargs)
+
+    if callable(getattr(fn, "packed", None)):  # mixed query lengths as one varlen call
+        @functools.wraps(fn.packed)
+        def packed(*args, **kwargs):
+            with CALLS.call(args, kwargs, unwritable="a packed varlen call (mixed query lengths)"):
+                return fn.packed(*args, **kwargs)
+
+        recorded.packed = packed
+    return recorded
+
+
+def file_name(nodeid: str) -> str:
+    """A safe file stem for a pytest node id: `tests/test_x.py::test_y[a-b]` ->
+    `test_x__test_y_a-b`; long ids are cut and get a hash of the whole id."""
+    path, _, rest = nodeid.partition("::")
+    stem = Path(path).stem + ("__" + rest if rest else "")
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "_", stem.replace("::", "__")).strip("_") or "check"
+    if len(stem) > 100:
+        stem = stem[:90].rstrip("_") + "_" + hashlib.sha1(nodeid.encode()).hexdigest()[:8]
+    return stem
+
+
+@dataclass
+class Repro:
+    path: str = ""  # the script, relative to the report directory ("repro/<name>.py"), when written
+    note: str = ""  # why none was written, or what it can and cannot show
+
+
+def _size(x) -> int:
+    if isinstance(x, mx.array):
+        return x.size * max(x.dtype.size, 4)
+    if isinstance(x, np.ndarray):
+        return x.nbytes
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+class _Unwritable(Exception):
+    pass
+
+
+def _literal(v) -> str:
+    if v is None or isinstance(v, (bool, str)):
+        return repr(v)
+    if isinstance(v, np.generic):
+        return f"np.{type(v).__name__}({_literal(v.item())})"
+    if isinstance(v, int):
+        return repr(v)
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else f"float({str(v)!r})"
+    raise _Unwritable(f"an argument of type {type(v).__name__}")
+
+
+def _named(call: Call) -> list[tuple[str | None, str, object]]:
+    """(keyword or None for positional, variable name, value) per argument."""
+    try:
+        SIGNATURE.bind(*call.args, **call.kwargs)
+        positional = list(SIGNATURE.parameters)[:len(call.args)]
+    except TypeError:
+        positional = [f"arg{i}" for i in range(len(call.args))]
+    out = [(None, name, v) for name, v in zip(positional, call.args)]
+    out += [(k, k, v) for k, v in call.kwargs.items()]
+    return out
+
+
+def contract_violation(call: Call) -> str | None:
+    """Why the contract rejects this call ("[clause] message"), or None for a valid call
+    (the contract's checks as impl/validation.py states them)."""
+    from impl.errors import ContractViolation
+    from impl.validation import PagedMetadata, check_arrays, check_options
+
+    try:
+        bound = SIGNATURE.bind(*call.args, **call.kwargs)
+    except TypeError as e:
+        return f"[signature] {e}"
+    a = {**{k: p.default for k, p in SIGNATURE.parameters.items()}, **bound.arguments}
+    try:
+        geom = check_arrays(a["query"], a["key_pages"], a["value_pages"], a["block_table"], a["context_lens"],
+                            a["page_size"])
+        check_options(geom.head_dim, a["scale"], a["mask"], a["window"])
+        PagedMetadata.build(a["block_table"], a["context_lens"], page_size=geom.page_size,
+                            num_pages=geom.num_pages, query_len=geom.query_len)
+    except ContractViolation as e:
+        return f"[{e.clause}] {e}"
+    return None
+
+
+def _oracle(call: Call) -> tuple[np.ndarray, float]:
+    """The float64 oracle's answer and the tolerance rule's allowance for this call."""
+    import oracles
+    from oracles.compare import value_scale
+    from oracles.tolerance import allowed_error, max_abs_error
+
+    bound = SIGNATURE.bind(*call.args, **call.kwargs).arguments
+    ref = oracles.float64(*call.args, **call.kwargs)
+    sdpa = oracles.MLX_ORACLES["sdpa"](*call.args, **call.kwargs)
+    mx.eval(sdpa)
+    allowed = allowed_error(bound["query"].dtype, ref, max_abs_error(sdpa, ref), value_scale(bound["value_pages"]))
+    return np.asarray(ref, dtype=np.float64), float(allowed)
+
+
+def short_message(message: str, fixtures=()) -> str:
+    """A failure message without the noise: hypothesis's failing example keeps its drawn
+    arguments (the layout, the corruption), not the fixtures (`fixtures`: their names)
+    nor the `@reproduce_failure` hint."""
+    lines, out, skipping = str(message).strip().splitlines(), [], False
+    for line in lines:
+        if line.startswith("You can reproduce this test case") or line.startswith("You can add @seed"):
+            continue
+        m = re.match(r"^    (\w+)=", line)
+        if m:
+            skipping = m.group(1) in fixtures
+        elif not line.startswith("     "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "\n".join(out[:40]).strip()
+
+
+def write(call: Call | None, directory: Path, *, nodeid: str, impl, clauses=(), message: str = "",
+          statement: str = "", max_bytes: int = MAX_BYTES) -> Repro:
+    """Writes `directory/<name>.npz` and `directory/<name>.py` for one failed check.
+    `impl` is the Implementation under test; `message` the failure as the check said it
+    (short_message); returns what was written (or why not)."""
+    if call is None:
+        return Repro(note="none: the check made no call of the implementation")
+    if call.unwritable:
+        return Repro(note=f"not written: its last call is {call.unwritable}, outside the contract's signature")
+    named = _named(call)
+    size = sum(_size(v) for _, _, v in named)
+    violation = contract_violation(call)
+    if violation is None:
+        size += _size(named[0][2]) * 2  # the float64 answer, the query's shape
+    if size > max_bytes:
+        return Repro(note=f"not written: the call's arrays take {_human(size)}, over the "
+                          f"{_human(max_bytes)} cap of a repro file")
+    arrays, call_lines = {}, []
+    try:
+        for keyword, name, v in named:
+            if isinstance(v, (mx.array, np.ndarray)):
+                kind = "mlx" if isinstance(v, mx.array) else "numpy"
+                dtype = str(v.dtype).removeprefix("mlx.core.")
+                host = np.array(v.astype(mx.float32) if kind == "mlx" and v.dtype == mx.bfloat16 else v)
+                arrays[name], arrays[name + "__dtype"], arrays[name + "__kind"] = host, np.str_(dtype), np.str_(kind)
+                text = name
+            else:
+                text = _literal(v)
+            call_lines.append((keyword, text))
+    except _Unwritable as e:
+        return Repro(note=f"not written: the call passes {e}, which a script cannot restate")
+    mode = "match"
+    if violation is not None:
+        mode = "reject"
+    else:
+        try:
+            arrays["expected"], allowed = _oracle(call)
+        except Exception as e:  # noqa: BLE001 - an oracle that cannot compute this call: say so
+            return Repro(note=f"not written: the float64 oracle failed on the call ({type(e).__name__}: {e})")
+        arrays["allowed"] = np.float64(allowed)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = file_name(nodeid)
+    np.savez(directory / f"{stem}.npz", **arrays)
+    script = directory / f"{stem}.py"
+    spec = "impl:paged_attention" if impl.builtin else impl.name
+    compared = [COMPARES_CALLS[c] for c in clauses if c in COMPARES_CALLS]
+    script.write_text(_script(stem=stem, nodeid=nodeid, spec=spec, mode=mode, violation=violation or "",
+                              errors=tuple(t.__name__ for t in impl.caps.error_types), clauses=clauses,
+                              message=message, statement=statement, compared=compared,
+                              names=[name for _, name, v in named if isinstance(v, (mx.array, np.ndarray))],
+                              call_lines=call_lines, arrays=arrays))
+    note = ""
+    if compared:
+        note = "last call only (the check compares two calls)"
+    return Repro(path=f"{directory.name}/{script.name}", note=note)
+
+
+# -- the script ---------------------------------------------------------------------------
+
+def _safe(text: str) -> str:
+    return str(text).replace("\\", "\\\\").replace('"""', "'''")  # as the docstring's source
+
+
+def _describe(arrays: dict, names: list) -> str:
+    parts = []
+    for n in names:
+        x = arrays[n]
+        kind = "" if str(arrays[n + "__kind"]) == "mlx" else " (NumPy)"
+        parts.append(f"{n} {str(arrays[n + '__dtype'])}{list(x.shape)}{kind}")
+    return "; ".join(parts)
+
+
+def _script(*, stem, nodeid, spec, mode, violation, errors, clauses, message, statement, compared, names,
+            call_lines, arrays) -> str:
+    from .clauses import describe
+
+    wrap = lambda text, indent="": textwrap.fill(" ".join(_safe(text).split()), 92, initial_indent=indent,  # noqa: E731
+                                                 subsequent_indent=indent) if str(text).strip() else ""
+    msg = "\n".join(_safe(line) for line in str(message).strip().splitlines()[:40])
+    doc = [f"pagecheck reproduction of a failed check: {_safe(nodeid)}", ""]
+    doc += [wrap(describe(c), "    ") for c in clauses] or ["    (no contract clause named)"]
+    if statement.strip():
+        doc += ["", "The check:", wrap(statement, "    ")]
+    doc += ["", "It failed with:", textwrap.indent(msg or "(no message)", "    "), ""]
+    if mode == "reject":
+        doc += [wrap(f"The contract rejects this input ({violation}); the check passes when the kernel raises "
+                     "one of its declared error types with a message, before computing anything."), ""]
+    else:
+        doc += [wrap("The answer is the float64 oracle's (pagecheck oracles.float64) on this input, and the "
+                     "allowance the tolerance rule's (oracles/tolerance.py), both computed when the check failed."),
+                ""]
+    if compared:
+        doc += [wrap(f"This check compares the outputs of two calls ({'; '.join(compared)}). Only its last "
+                     "call is reproduced here, against the oracle: a bitwise-invariance failure needs both calls "
+                     "(rerun the check itself), and a pass here does not clear the check."), ""]
+    doc += [
+        wrap(f"Input ({stem}.npz beside this file): {_describe(arrays, names)}."),
+        "",
+        "Run it where the kernel imports (MODULE is imported with the normal sys.path; set PYTHONPATH):",
+        "",
+        f"    python {stem}.py                     # the kernel that failed: {spec}",
+        f"    python {stem}.py --impl MODULE:ATTR  # another kernel (your fix; impl:paged_attention is pagecheck's)",
+        "",
+        "Needs numpy, mlx and the kernel only (a kernel declaring its own layout or page-table format is",
+        "converted by pagecheck's conformance/, so that one needs the checkout on the path too).",
+        "Exit status: 1 while it still fails, 0 when it passes, 2 when the kernel declares it does not",
+        "validate its input (a rejection does not apply to it).",
+    ]
+    positional = ", ".join(text for keyword, text in call_lines if not keyword)
+    keywords = ", ".join(f"{keyword}={text}" for keyword, text in call_lines if keyword)
+    call = positional + (",\n                     " + keywords if positional and keywords else keywords)
+    header = '"""' + "\n".join(doc).rstrip() + '\n"""'
+    return (_TEMPLATE.replace("@@DOC@@", header).replace("@@SPEC@@", repr(spec)).replace("@@MODE@@", repr(mode))
+            .replace("@@ERRORS@@", repr(errors)).replace("@@VIOLATION@@", repr(violation))
+            .replace("@@DATA@@", repr(f"{stem}.npz")).replace("@@COMPARED@@", repr(bool(compared)))
+            .replace("@@LOAD@@", "\n".join(f"    {n} = argument(data, {n!r})" for n in names))
+            .replace("@@CALL@@", call))
+
+
+_TEMPLATE = '''#!/usr/bin/env python3
+@@DOC@@
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+IMPL = @@SPEC@@  # the kernel that failed (--impl overrides)
+EXPECT = @@MODE@@  # "match": within the allowance of the oracle's answer; "reject": must raise
+ERROR_TYPES = @@ERRORS@@  # the failed kernel's contract errors (a subclass counts)
+VIOLATION = @@VIOLATION@@  # why the contract rejects the input (EXPECT == "reject")
+TWO_CALLS = @@COMPARED@@  # the check compared two calls; this is the last one
+DATA = Path(__file__).resolve().with_name(@@DATA@@)
+NATIVE_KEYS = ("layout", "page_table", "query_packing", "window_convention")
+
+
+def load_kernel(spec):
+    module, _, attr = spec.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    declared = getattr(obj, "pagecheck_capabilities", None) or {}
+    if any(k in declared for k in NATIVE_KEYS):
+        from conformance.implementation import load  # its native format, converted as the check did
+
+        return load(spec).fn, declared
+    return obj, declared
+
+
+def argument(data, name):
+    """The argument as the check passed it: an mlx array in its dtype (bfloat16 is stored
+    widened to float32, exactly), or a NumPy array."""
+    value, dtype, kind = data[name], str(data[name + "__dtype"]), str(data[name + "__kind"])
+    if kind == "numpy":
+        return value.astype(dtype)
+    return mx.array(value, dtype=getattr(mx, dtype))
+
+
+def match(call, data, query):
+    ref, allowed = data["expected"], float(data["allowed"])
+    try:
+        out = call()
+    except Exception as e:
+        print(f"FAIL: the call raised {type(e).__name__}: {e} (the contract computes this input)")
+        return 1
+    if not isinstance(out, mx.array):
+        print(f"FAIL: returned {type(out).__name__}, not an mlx.core.array")
+        return 1
+    failed = False
+    if out.dtype != query.dtype:
+        print(f"FAIL: output dtype {out.dtype}; the contract: the query's ({query.dtype})")
+        failed = True
+    if tuple(out.shape) != ref.shape:
+        print(f"FAIL: output shape {tuple(out.shape)}; the contract: the query's {ref.shape}")
+        return 1
+    got = np.array(out.astype(mx.float32), dtype=np.float64)
+    diff = np.abs(got - ref)
+    diff[~np.isfinite(diff)] = np.inf
+    err = float(diff.max()) if diff.size else 0.0
+    times = f" ({err / allowed:.3g} x the allowance)" if allowed > 0 and np.isfinite(err) else ""
+    print(f"max |out - ref| = {err:.3e}   allowed {allowed:.3e}{times}")
+    print(f"NaN in the output: {int(np.isnan(got).sum())} of {got.size}; inf: {int(np.isinf(got).sum())}")
+    if err > allowed:
+        failed = True
+        worst = np.unravel_index(int(np.argmax(diff)), diff.shape)
+        print(f"worst element [b, h, l, d] = {tuple(int(i) for i in worst)}: out {got[worst]:.6g}, "
+              f"ref {ref[worst]:.6g}")
+        off = np.unique(np.argwhere(~(diff <= allowed))[:, 0]).tolist()
+        print(f"requests off: {off} of {ref.shape[0]}")
+    if TWO_CALLS:
+        print("note: the check compared two calls; this is its last call against the oracle only")
+    print("FAIL: still fails" if failed else "PASS: within the allowance of the float64 oracle")
+    return 1 if failed else 0
+
+
+def reject(call, spec, declared):
+    if declared.get("validates_input") is False:
+        print(f"N/A: {spec} declares validates_input=False (the check is skipped for it)")
+        return 2
+    names = ERROR_TYPES
+    if spec != IMPL:
+        kinds = declared.get("error_types")
+        kinds = kinds if isinstance(kinds, (list, tuple)) else [kinds] if kinds else []
+        names = tuple(k.__name__ for k in kinds) or ("ValueError", "TypeError")
+    try:
+        out = call()
+    except Exception as e:
+        raised = [c.__name__ for c in type(e).__mro__]
+        if not any(n in raised for n in names):
+            print(f"FAIL: raised {type(e).__name__}: {e}; not one of the declared error types {list(names)}")
+            return 1
+        if not str(e).strip():
+            print(f"FAIL: raised {type(e).__name__} with an empty message")
+            return 1
+        print(f"PASS: rejected with {type(e).__name__}: {e}")
+        return 0
+    what = f"an array {out.dtype}{list(out.shape)}" if isinstance(out, mx.array) else type(out).__name__
+    print(f"FAIL: accepted, returned {what}; the contract rejects this input: {VIOLATION}")
+    return 1
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--impl", default=IMPL, metavar="MODULE:ATTR", help=f"the kernel to run (default {IMPL})")
+    spec = parser.parse_args(argv).impl
+    kernel, declared = load_kernel(spec)
+    data = np.load(DATA)
+@@LOAD@@
+
+    def call():
+        out = kernel(@@CALL@@)
+        if isinstance(out, mx.array):
+            mx.eval(out)
+        return out
+
+    print(f"kernel: {spec}")
+    if EXPECT == "reject":
+        return reject(call, spec, declared)
+    return match(call, data, query)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''

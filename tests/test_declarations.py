@@ -1,0 +1,233 @@
+"""Declarations narrow what is checked; they never fail a check (issue 19, point 3).
+
+| check                                     | what it proves                                        |
+|-------------------------------------------|-------------------------------------------------------|
+| `layouts(caps)` within the declaration    | every drawn layout is a call the declaration covers (dtype, D, page size, L, mask, window) |
+| `layouts(caps)` covers the declaration    | each declared head dim and page size is drawn; small pages still give multi-page rows with tails and empty slots; large pages two-page rows |
+| `layouts(caps, kind)`                     | a rejection kind always gets a layout it can break     |
+| `ruled_out`                               | nothing to draw, or a kind needing L >= 2 without prefill: the reason |
+| a narrow kernel runs tests/test_properties.py | exit 0, no FailedHealthCheck, the property checks passed (child pytest) |
+| a check ruled out everywhere              | exactly one skip with the reason (child pytest)        |
+| fixtures/memory.py                        | MemAvailable parsed in bytes, sysconf fallbacks, the comparison, the need |
+| a kernel declaring a huge `extra_memory`  | the 2^31-offset fixture skipped with the memory reason, its 4 GiB pool never built (child pytest) |
+
+The child runs use `run_catalog` of tests/test_plugin.py (a user's `pytest --impl`).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import pytest
+from hypothesis import Phase, find, given, settings
+from hypothesis import strategies as st
+
+from conformance import Capabilities
+from fixtures import memory, paged_case
+from fixtures.memory import GiB, need_bytes, pool_bytes, shortfall
+from fixtures.strategies import REJECTION_NEEDS, applicable, layouts, ruled_out
+from tests.plugin_impls import NARROW
+from tests.test_plugin import run_catalog
+
+DECLARATIONS = {
+    "everything": {},
+    "narrow": NARROW,  # vLLM-CPU-like: f32/f16, head dims 32..256, pages in multiples of 16
+    "listed_pages_decode": {"dtypes": ["bfloat16"], "page_sizes": [3, 5, 200], "prefill": False,
+                            "window": False, "unmasked": False},
+    "multiple_of_48": {"block_multiple": 48, "head_dims": [7]},
+    "vllm_split": {"layout": "vllm_split"},  # D in chunks of 16 bytes: the head dims depend on the dtype
+}
+PROPERTIES = "tests/test_properties.py"
+
+
+def _caps(name: str) -> Capabilities:
+    return Capabilities.declared(DECLARATIONS[name])
+
+
+def _outside(caps: Capabilities, layout: dict) -> str | None:
+    return caps.unsupported(dtype=layout["dtype"], head_dim=layout["head_dim"], page_size=layout["page_size"],
+                            query_len=layout["query_len"], mask=layout["mask"], window=layout["window"])
+
+
+# -- layouts(caps) -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(DECLARATIONS))
+@settings(max_examples=4 * settings.default.max_examples)
+@given(data=st.data())
+def test_every_drawn_layout_is_within_the_declaration(name, data):
+    caps = _caps(name)
+    layout = data.draw(layouts(caps), label="layout")
+    assert _outside(caps, layout) is None
+    assert all(c == 0 or c >= layout["query_len"] for c in layout["context_lens"])
+
+
+def _drawn(caps: Capabilities | None, n: int = 300) -> list[dict]:
+    """n layouts as hypothesis generates them for a check (no shrinking: it is the spread
+    that is looked at, and `find` would shrink each hit)."""
+    seen = []
+
+    @settings(max_examples=n, phases=[Phase.generate], database=None, derandomize=True)
+    @given(layouts(caps))
+    def collect(layout):
+        seen.append(layout)
+
+    collect()
+    return seen
+
+
+@pytest.mark.parametrize("name,sizes", [
+    ("narrow", [16, 32, 48, 64, 128, 256]),
+    ("multiple_of_48", [48, 144, 288]),   # large pages: the first multiples from 128 and 256
+    ("listed_pages_decode", [3, 5, 200]),
+])
+def test_every_declared_head_dim_and_page_size_is_drawn(name, sizes):
+    """Narrowing must not lose the declaration's far end (D 256, large pages)."""
+    caps = _caps(name)
+    drawn = _drawn(caps)
+    assert {layout["page_size"] for layout in drawn} == set(sizes)
+    dims = {layout["head_dim"] for layout in drawn}
+    if caps.head_dims:
+        assert dims == set(caps.head_dims), sorted(dims)
+    else:  # the 1..64 range, spread (hypothesis repeats values: not every one in 300 draws)
+        assert dims <= set(range(1, 65)) and len(dims) >= 16, sorted(dims)
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 256])
+def test_declared_pages_still_give_multi_page_rows_tails_and_empty_slots(page_size):
+    def rich(layout) -> bool:
+        lens = layout["context_lens"]
+        return 0 in lens and any(c > page_size and c % page_size for c in lens)
+
+    caps = Capabilities.declared({"page_sizes": [page_size], "block_multiple": 16})
+    assert sum(map(rich, _drawn(caps))) >= 5
+
+
+def test_prefill_window_and_unmasked_are_drawn_where_declared():
+    drawn = _drawn(None)
+    assert any(layout["query_len"] > 8 and layout["window"] is not None for layout in drawn)
+    assert any(layout["mask"] is None for layout in drawn)
+
+
+@pytest.mark.parametrize("kind", sorted(REJECTION_NEEDS))
+@settings(max_examples=settings.default.max_examples)
+@given(data=st.data())
+def test_a_rejection_kind_gets_a_layout_it_can_break(kind, data):
+    caps = _caps("narrow")
+    layout = data.draw(layouts(caps, kind), label="layout")
+    assert _outside(caps, layout) is None
+    assert kind in applicable(paged_case(**layout))
+
+
+def test_ruled_out_names_why():
+    assert all(ruled_out(_caps(name)) is None for name in DECLARATIONS)
+    assert ruled_out(None) is None and ruled_out(None, "context_short") is None
+    decode = Capabilities.declared({"prefill": False})
+    assert ruled_out(decode, "context_short") == "context_short needs L >= 2 (declared prefill=False)"
+    assert ruled_out(decode, "page_id_high") is None
+    # vllm_split cuts D into 16-byte chunks: head dim 4 fits float32 (x = 4), never float16 (x = 8)
+    split = Capabilities.declared({"layout": "vllm_split", "dtypes": ["float16"], "head_dims": [4]})
+    reason = ruled_out(split)
+    assert reason.startswith("no declared dtype fits: float16: head dim 4") and "vllm_split" in reason
+    with pytest.raises(ValueError, match="nothing to draw: no declared dtype fits"):
+        find(layouts(split), lambda layout: True)
+    split32 = Capabilities.declared({"layout": "vllm_split", "dtypes": ["float16", "float32"], "head_dims": [4]})
+    assert find(layouts(split32), lambda layout: True)["dtype"] == "float32"
+
+
+# -- a narrow kernel through the property checks (child pytest) --------------------------
+
+def _by_outcome(record: dict, outcome: str) -> list[dict]:
+    return [c for c in record["checks"] if c["outcome"] == outcome]
+
+
+@pytest.mark.parametrize("impl,skipped_because", [
+    ("float64_oracle_narrow", "validates_input"),  # the oracle does not validate: rejections skipped as declared
+    ("builtin_narrow", None),                      # a validating kernel: every property check runs
+])
+def test_narrow_declaration_passes_the_property_checks(impl, skipped_because, tmp_path):
+    proc, record = run_catalog(f"tests.plugin_impls:{impl}", tmp_path, [PROPERTIES])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "FailedHealthCheck" not in proc.stdout and not _by_outcome(record, "failed")
+    passed = {c["id"].split("::")[1].split("[")[0] for c in _by_outcome(record, "passed")}
+    assert {"test_kernel_matches_float64_oracle", "test_batch_and_schedule_invariance",
+            "test_unread_table_entries_are_neither_checked_nor_read"} <= passed, passed
+    skips = {c["message"] for c in _by_outcome(record, "skipped")}
+    if skipped_because:
+        assert all(skipped_because in m for m in skips), skips
+    else:
+        assert not skips and "test_rejected_metadata_raises_before_computing" in passed, skips
+
+
+def test_a_check_ruled_out_everywhere_is_one_skip_with_the_reason(tmp_path):
+    proc, record = run_catalog("tests.plugin_impls:builtin_decode_only", tmp_path, [PROPERTIES])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "FailedHealthCheck" not in proc.stdout and not _by_outcome(record, "failed")
+    reason = ("not declared by tests.plugin_impls:builtin_decode_only: "
+              "context_short needs L >= 2 (declared prefill=False)")
+    ruled = [c["id"] for c in _by_outcome(record, "skipped") if c["message"] == reason]
+    assert ruled == [f"{PROPERTIES}::test_rejected_metadata_raises_before_computing[context_short]"], \
+        [(c["id"], c["message"]) for c in _by_outcome(record, "skipped")]
+    rejections = [c for c in _by_outcome(record, "passed") if "test_rejected_metadata" in c["id"]]
+    assert len(rejections) == 7  # every other kind ran
+
+
+# -- fixtures/memory.py ------------------------------------------------------------------
+
+def test_meminfo_is_read_in_bytes(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683584 kB\nMemFree:  100 kB\nMemAvailable:   2097152 kB\n")
+    assert memory.available_bytes(meminfo) == 2 * GiB
+
+
+def test_without_meminfo_sysconf_is_asked(tmp_path, monkeypatch):
+    pages = {"SC_AVPHYS_PAGES": 1024, "SC_PHYS_PAGES": 4096, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(memory.os, "sysconf", lambda name: pages[name])
+    assert memory.available_bytes(tmp_path / "absent") == 1024 * 4096  # free pages first
+
+    def macos(name):  # no SC_AVPHYS_PAGES there: all physical pages
+        if name == "SC_AVPHYS_PAGES":
+            raise ValueError("unrecognized configuration name")
+        return pages[name]
+
+    monkeypatch.setattr(memory.os, "sysconf", macos)
+    assert memory.available_bytes(tmp_path / "absent") == 4096 * 4096
+
+
+def test_shortfall_compares_need_with_what_is_available(monkeypatch):
+    assert shortfall(3 * GiB, 2 * GiB) == "needs 3.0 GiB, 2.0 GiB available"
+    assert shortfall(2 * GiB, 2 * GiB) is None and shortfall(GiB, 2 * GiB) is None
+    monkeypatch.setattr(memory, "available_bytes", lambda: None)
+    assert shortfall(10 ** 18) is None  # unknown: the check runs
+
+
+def test_need_counts_the_declared_extra_memory_of_both_pool_inputs():
+    geometry = dict(num_pages=1048578, kv_heads=1, page_size=16, head_dim=128, dtype="bfloat16")
+    built, inputs = pool_bytes(**geometry, pools=1), pool_bytes(**geometry)
+    assert built == (2 ** 31 + 4096) * 2 and inputs == 2 * built
+    assert need_bytes(built=built, inputs=inputs, extra_memory=0.0, working_set=5) == built + 5
+    assert need_bytes(built=built, inputs=inputs, extra_memory=4.0) == built + 4 * inputs
+
+
+# -- the 2^31 fixture for a kernel that may allocate a million pools (child pytest) ------
+
+def _peak_child_rss() -> int:
+    """The largest resident set of any finished child process so far, in bytes."""
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def test_a_fixture_that_cannot_fit_is_skipped_before_it_is_built(tmp_path):
+    before = _peak_child_rss()
+    # the later -m wins over run_catalog's "not slow": the 2^31 fixture is marked slow
+    proc, record = run_catalog("tests.plugin_impls:builtin_huge_extra_memory", tmp_path,
+                               ["-m", "correctness", "-k", "page_offset_past_2_31", "tests/test_hand_fixtures.py"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    [check] = record["checks"]
+    assert check["id"] == "tests/test_hand_fixtures.py::test_hand_fixture[page_offset_past_2_31]"
+    assert check["outcome"] == "skipped", check
+    assert "does not fit in memory" in check["message"] and "GiB available" in check["message"]
+    assert "extra_memory 1e+06" in check["message"], check["message"]
+    after = _peak_child_rss()
+    # the pool is 4 GiB: a child that built it would have raised the peak past 4 GiB
+    assert after == before or after < 4 * GiB, f"the child peaked at {after / GiB:.1f} GiB"
