@@ -15,6 +15,10 @@
 
 Query row l of request b sits at position `context_lens[b] - L + l`; query head h reads
 KV head `h // (Hq // Hkv)`; a row with `context_lens[b] == 0` is an empty slot (zeros).
+
+The kernel is CPU-only: both entry points schedule it on the CPU stream whatever MLX's
+default device is (on macOS the GPU), so a caller never reaches `eval_gpu`, which
+raises. On Apple silicon the memory is unified, so this costs no copy.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pagecheck_kernels as _kernels
 
+from .runtime import KERNEL_STREAM
 from .validation import PagedMetadata, check_arrays, check_options
 
 
@@ -38,7 +43,7 @@ def paged_attention(query, key_pages, value_pages, block_table, context_lens, pa
     meta = PagedMetadata.build(block_table, context_lens, page_size=geom.page_size,
                                num_pages=geom.num_pages, query_len=geom.query_len)
     return _kernels.paged_attention(query, key_pages, value_pages, meta.block_table, meta.context_lens,
-                                    geom.page_size, scale, causal, window)
+                                    geom.page_size, scale, causal, window, stream=KERNEL_STREAM)
 
 
 def paged_attention_with_metadata(query, key_pages, value_pages, metadata: PagedMetadata, *,
@@ -53,4 +58,5 @@ def paged_attention_with_metadata(query, key_pages, value_pages, metadata: Paged
     scale, causal, window = check_options(geom.head_dim, scale, mask, window)
     metadata.check_matches(geom)
     return _kernels.paged_attention(query, key_pages, value_pages, metadata.block_table,
-                                    metadata.context_lens, geom.page_size, scale, causal, window)
+                                    metadata.context_lens, geom.page_size, scale, causal, window,
+                                    stream=KERNEL_STREAM)

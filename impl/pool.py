@@ -27,6 +27,7 @@ import pagecheck_kernels as _kernels
 
 from .allocator import PageAllocator, PoolStats
 from .errors import ServingError
+from .runtime import KERNEL_STREAM
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -140,7 +141,7 @@ class PagePool:
         if len(slots.host) == 0:
             return
         ids = slots.device
-        self._update(layer, lambda pages, rows: _kernels.write_slots(pages, rows, ids), keys, values)
+        self._update(layer, lambda pages, rows: _kernels.write_slots(pages, rows, ids, stream=KERNEL_STREAM), keys, values)
 
     def copy_pages(self, src, dst) -> None:
         """Copies page src[i] into dst[i] in every layer (the copy of copy-on-write)."""
@@ -161,7 +162,7 @@ class PagePool:
             return
         s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
         for layer in range(self.num_layers):
-            self._update(layer, lambda pages, _: _kernels.copy_pages(pages, s, d), None, None)
+            self._update(layer, lambda pages, _: _kernels.copy_pages(pages, s, d, stream=KERNEL_STREAM), None, None)
         self.allocator.pages_copied += len(src)
 
     def _update(self, layer, op, keys, values) -> None:
@@ -180,7 +181,7 @@ class PagePool:
         rows = mx.full((len(slots), self.kv_heads, self.head_dim), math.nan, dtype=self.dtype)
         slot_ids = mx.array(np.asarray(slots, dtype=np.int64))
         for layer in range(self.num_layers):
-            self._update(layer, lambda pg, r: _kernels.write_slots(pg, r, slot_ids), rows, rows)
+            self._update(layer, lambda pg, r: _kernels.write_slots(pg, r, slot_ids, stream=KERNEL_STREAM), rows, rows)
 
     def _check_layer(self, layer) -> int:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import operator
 
+import mlx.core as mx
 import pagecheck_kernels as _kernels
+
+# The device whose default stream runs every pagecheck primitive (attention, pool writes
+# and copies), whatever mx.default_device() is: they have no GPU kernel, and where the
+# default is the GPU (MLX on macOS) a primitive left on the default stream reaches
+# eval_gpu and raises. On unified memory the CPU reads the same buffers at no cost.
+KERNEL_STREAM = mx.cpu
 
 
 def num_threads() -> int:

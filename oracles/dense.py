@@ -13,8 +13,10 @@ import mlx.core as mx
 def dense_gather(key_pages, value_pages, block_table, context_lens, page_size):
     """Returns (K, V, valid): K/V `[B, Hkv, S, D]` with S = pages * page_size, valid `[B, S]`."""
     P = key_pages.shape[0]
-    n_pages = max(1, -(-int(context_lens.max().item()) // page_size)) if context_lens.size else 1
-    ids = mx.clip(block_table[:, :n_pages], 0, max(P - 1, 0))  # unused entries may be -1
+    # Pages the longest request reads; 0 when every row is empty (or B = 0): then the
+    # gather is zero-width, so a pool of 0 pages or a table of 0 columns is never indexed.
+    n_pages = -(-int(context_lens.max().item()) // page_size) if context_lens.size else 0
+    ids = mx.clip(block_table[:, :n_pages], 0, max(P - 1, 0))  # unused entries may be -1 or garbage
     positions = mx.arange(n_pages * page_size)[None, :]
     valid = positions < context_lens[:, None]
 

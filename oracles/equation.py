@@ -46,4 +46,6 @@ def attention(query, key_pages, value_pages, block_table, context_lens, page_siz
         shifted = mx.exp(scores - scores.max(axis=-1, keepdims=True))
         weights = shifted / shifted.sum(axis=-1, keepdims=True)
         rows.append(weights @ v)
+    if not rows:  # B = 0: an empty batch, nothing to stack
+        return mx.zeros((B, Hq, L, D), dtype=query.dtype)
     return mx.stack(rows).astype(query.dtype)

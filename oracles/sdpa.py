@@ -33,4 +33,4 @@ def attention(query, key_pages, value_pages, block_table, context_lens, page_siz
             if window is not None:
                 allowed = allowed & (col > row - window)
         outs.append(mx.fast.scaled_dot_product_attention(query[b:b + 1], k, v, scale=scale, mask=allowed)[0])
-    return mx.stack(outs)
+    return mx.stack(outs) if outs else mx.zeros(query.shape, dtype=query.dtype)  # B = 0: empty

@@ -149,15 +149,20 @@ def test_metadata_build_rejects_bad_values():
                                  num_pages=7, query_len=3)
 
 
-# name -> (the valid batch, its corruption). For "context-past-table" every page is full,
-# so the page a kernel trusting max_pages would read past request 0's row (request 1's
-# first page, the next int32 of the table) holds written keys: only the safety net, not
-# NaN in unwritten slots, can make that request NaN.
+def _unchecked(case) -> np.ndarray:
+    """The compiled entry point on the case's arrays with the options impl would pass, and
+    none of its checks."""
+    args = case.args()[:5] + (case.page_size, case.query.shape[-1] ** -0.5, True, 0)
+    return np.array(pagecheck_kernels.paged_attention(*args))
+
+
+# name -> (the valid batch, its corruption), each far outside its bound (the exact
+# bounds are test_unchecked_kernel_at_the_exact_bounds' below).
 UNCHECKED = {
     "page-id-high": ((10, 3), lambda c: c.with_(block_table=_table(c, 0, 1, 999))),
-    "page-id-negative": ((10, 3), lambda c: c.with_(block_table=_table(c, 0, 1, -1))),
-    "context-past-table": ((12, 4), lambda c: c.with_(context_lens=mx.array([13, 4], dtype=mx.int32))),
-    "context-short": ((10, 3), lambda c: c.with_(context_lens=mx.array([2, 3], dtype=mx.int32))),
+    "page-id-negative": ((10, 3), lambda c: c.with_(block_table=_table(c, 0, 1, -7))),
+    "context-past-table": ((12, 4), lambda c: c.with_(context_lens=mx.array([20, 4], dtype=mx.int32))),
+    "context-short": ((10, 3), lambda c: c.with_(context_lens=mx.array([1, 3], dtype=mx.int32))),
     "context-negative": ((10, 3), lambda c: c.with_(context_lens=mx.array([-4, 3], dtype=mx.int32))),
 }
 
@@ -171,11 +176,76 @@ def test_unchecked_kernel_never_reads_outside_the_pool(name):
     are computed as usual."""
     lens, corrupt = UNCHECKED[name]
     base = _base(lens)
-    bad = corrupt(base)
-    args = bad.args()[:5] + (4, 8 ** -0.5, True, 0)
-    out = np.array(pagecheck_kernels.paged_attention(*args))
+    out = _unchecked(corrupt(base))
     assert np.isnan(out[0]).all()
     assert bits(mx.array(out[1:])) == bits(base.run(impl.paged_attention)[1:])
+
+
+def _guarded(case):
+    """The same call with each pool a view into a buffer one finite page longer at both
+    ends: a kernel that reads page -1 or page P reads finite keys there (deterministically,
+    and inside a buffer), so only the safety net, not the luck of what lies past the
+    pool, can make that request NaN. Free pages and unwritten slots hold 0.25, not NaN,
+    so a request on any page of the pool computes a finite output."""
+    def guard(pages):
+        pad = mx.full((1, *pages.shape[1:]), 0.5, dtype=pages.dtype)
+        whole = mx.concatenate([pad, pages, pad])
+        mx.eval(whole)
+        return whole[1:-1]
+
+    return case.with_(key_pages=guard(case.key_pages), value_pages=guard(case.value_pages))
+
+
+def _bounds_base(lens=(10, 3)):
+    # request 0: 10 positions in 3 pages of 4 (max_pages = 3, L = 3, P = 7); request 1: 3 in 1
+    return _guarded(paged_case(context_lens=list(lens), query_len=3, q_heads=4, kv_heads=2, head_dim=8,
+                               page_size=4, seed=43, max_pages=3, fill=0.25))
+
+
+def _lens(*lens):
+    return lambda c: c.with_(context_lens=mx.array(list(lens), dtype=mx.int32))
+
+
+P_BOUNDS = 7  # pages in _bounds_base's pool
+# name -> (corruption of request 0 in _bounds_base, whether the contract allows it). Pages
+# are full in "pages-*" (base lens 12, 4), so the entry one past request 0's row
+# (request 1's first page, the next int32 of the table) holds written keys: a kernel
+# trusting max_pages computes a finite row there.
+BOUNDS = {
+    "page-id--1": (lambda c: c.with_(block_table=_table(c, 0, 1, -1)), False),
+    "page-id-0": (lambda c: c.with_(block_table=_table(c, 0, 1, 0)), True),
+    "page-id-P-1": (lambda c: c.with_(block_table=_table(c, 0, 1, P_BOUNDS - 1)), True),
+    "page-id-P": (lambda c: c.with_(block_table=_table(c, 0, 1, P_BOUNDS)), False),
+    "pages-max_pages": (_lens(12, 4), True),
+    "pages-max_pages+1": (_lens(13, 4), False),
+    "context-L": (_lens(3, 3), True),
+    "context-L-1": (_lens(2, 3), False),
+    "context-0": (_lens(0, 3), True),
+    "context--1": (_lens(-1, 3), False),
+}
+
+
+@pytest.mark.builtin_only("prevalidated metadata and the unvalidated compiled entry point")
+@pytest.mark.parametrize("name", list(BOUNDS))
+def test_unchecked_kernel_at_the_exact_bounds(name):
+    """kernel.h's request_is_safe at each of its bounds: page id -1 / 0 / P-1 / P, a row
+    needing exactly max_pages pages / one more, context L / L-1, 0 / -1. Inside a bound
+    the unchecked request's output is the validated operator's, bit for bit (and finite);
+    outside it is all NaN and the other request keeps the validated operator's bits."""
+    corrupt, valid = BOUNDS[name]
+    base = _bounds_base((12, 4) if name.startswith("pages-") else (10, 3))
+    assert base.key_pages.shape[0] == P_BOUNDS
+    case = corrupt(base)
+    out = _unchecked(case)
+    if valid:
+        want = case.run(impl.paged_attention)
+        assert np.isfinite(out).all()
+        assert bits(mx.array(out)) == bits(want)
+    else:
+        with pytest.raises(impl.ContractViolation):
+            case.run(impl.paged_attention)  # the validated operator rejects it
+        assert np.isnan(out[0]).all(), "request 0 is outside a bound but was computed"
+        assert bits(mx.array(out[1:])) == bits(base.run(impl.paged_attention)[1:])
 
 
 @pytest.mark.builtin_only("prevalidated metadata and the unvalidated compiled entry point")

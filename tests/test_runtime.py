@@ -9,7 +9,7 @@ import pytest
 
 import impl
 import pagecheck_kernels
-from fixtures import paged_case
+from fixtures import bits, paged_case
 
 pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in kernel's worker threads and GPU path")]
 
@@ -48,6 +48,91 @@ def test_gpu_stream_is_a_clear_error_never_a_dense_fallback():
     out = pagecheck_kernels.paged_attention(*case.args(), 0.25, True, 0, stream=mx.gpu)
     with pytest.raises(RuntimeError, match="no GPU kernel"):
         mx.eval(out)
+
+
+def _names_the_cpu(stream) -> bool:
+    """Whether a `stream=` argument pins the CPU: mx.cpu or a stream of it (None, the
+    default stream, would follow mx.default_device())."""
+    device = stream.device if isinstance(stream, mx.Stream) else stream
+    return device is not None and device == mx.cpu
+
+
+@pytest.mark.parametrize("path", ["paged_attention", "paged_attention_with_metadata"])
+def test_builtin_schedules_the_kernel_on_the_cpu_stream(path, monkeypatch):
+    """The primitive has no GPU kernel; where MLX's default device is the GPU (macOS),
+    a primitive on the default stream goes to eval_gpu and raises. Both entry points
+    must pin the CPU stream themselves. This MLX build cannot make the GPU the default
+    (mlx[cpu]: no GPU backend), so a spy on the compiled entry point records the stream
+    each call was given: it must name the CPU, not leave it to the default."""
+    case = paged_case(context_lens=[9, 0, 4], query_len=2, seed=61)
+    want = bits(case.run(impl.paged_attention))
+    seen = []
+    real = pagecheck_kernels.paged_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("stream"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pagecheck_kernels, "paged_attention", spy)
+    if path == "paged_attention":
+        out = case.run(impl.paged_attention)
+    else:
+        meta = impl.PagedMetadata.build(case.block_table, case.context_lens, page_size=case.page_size,
+                                        num_pages=case.key_pages.shape[0], query_len=2)
+        out = impl.paged_attention_with_metadata(case.query, case.key_pages, case.value_pages, meta)
+    assert len(seen) == 1, f"{path} called the compiled entry point {len(seen)} times"
+    assert _names_the_cpu(seen[0]), f"{path} passed stream={seen[0]!r}: the default stream, not the CPU's"
+    assert bits(out) == want
+
+
+def test_pool_updates_are_scheduled_on_the_cpu_stream(monkeypatch):
+    """The pool's in-place writes and page copies are primitives of their own (no GPU
+    kernel either): each must pin the CPU stream, as attention does."""
+    from fixtures.serving import pool_rows
+
+    pool = impl.pool.PagePool(num_layers=1, kv_heads=2, head_dim=8, page_size=4, num_pages=6, poison_freed=True)
+    seen = []
+    for name in ("write_slots", "copy_pages"):
+        real = getattr(pagecheck_kernels, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, kwargs.get("stream")))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(pagecheck_kernels, name, spy)
+    pool.allocate(3)
+    pool.write(0, [0, 5], pool_rows(pool, 2), pool_rows(pool, 2, seed=1))
+    pool.copy_pages([0], [2])
+    pool.free([1])  # poison_freed: NaN written through write_slots
+    mx.eval(pool.keys(0), pool.values(0))
+    assert {name for name, _ in seen} == {"write_slots", "copy_pages"}, seen
+    assert all(_names_the_cpu(stream) for _, stream in seen), f"a pool update left on the default stream: {seen}"
+
+
+def test_builtin_runs_on_the_cpu_when_the_default_device_is_the_gpu():
+    """End to end: with the GPU as the default device both entry points evaluate (no
+    eval_gpu error) and give the CPU default's bits. Skipped in the body, so that for
+    another implementation the module's built-in-only skip comes first."""
+    if not mx.is_available(mx.gpu):
+        pytest.skip("this MLX build has no GPU backend (mlx[cpu], Linux): the default device cannot be the GPU "
+                    "here; this runs where it can (MLX with Metal, macOS on Apple silicon)")
+    case = paged_case(context_lens=[9, 0, 4], query_len=2, seed=61)
+    meta = impl.PagedMetadata.build(case.block_table, case.context_lens, page_size=case.page_size,
+                                    num_pages=case.key_pages.shape[0], query_len=2)
+
+    def both():
+        return (bits(case.run(impl.paged_attention)),
+                bits(impl.paged_attention_with_metadata(case.query, case.key_pages, case.value_pages, meta)))
+
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        want = both()
+        mx.set_default_device(mx.gpu)
+        got = both()
+    finally:
+        mx.set_default_device(before)
+    assert got == want
 
 
 RESIZE_STRESS = """
