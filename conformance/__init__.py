@@ -7,6 +7,7 @@
 | `bridges.py`        | `from_numpy`, `from_torch`, `from_mlx`: kernels of other frameworks / formats behind the mlx contract |
 | `formats/`          | KV layouts, page tables, query packing, window conventions: one contract call as a native call |
 | `clauses.py`        | the contract clauses checks point at                             |
+| `repro.py`          | a failed check's last call as `reports/repro/<check>.py` + `.npz`, runnable alone |
 | `plugin.py`         | the pytest plugin: options, fixtures, markers, the record of outcomes |
 | `report.py`         | the conformance report: terminal, markdown, HTML                 |
 | `__main__.py`       | `python -m conformance`: the main job                            |

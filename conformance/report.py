@@ -34,7 +34,9 @@ AREAS = {
     "test_invariants": "operator invariants 1, 2, 3, 6, 7, 8, 9",
     "test_rejections": "bad input: specific error, nothing written",
     "test_properties": "hypothesis: random layouts vs float64, rejections",
+    "test_mixed_lengths": "mixed query lengths in one packed call (varlen kernels)",
     "test_edges": "edges: last page, full rows, tails, tiles past a page",
+    "test_oracle_edges": "valid edge inputs (P = 0, all rows empty, wide tables) through every oracle",
     "test_schedules": "decode/prefill schedules, chunk and page edges",
     "test_golden_bits": "canonical arithmetic: pinned output bits",
     "test_fuzz_boundary": "fuzzed metadata: specific error or correct result",
@@ -52,6 +54,10 @@ AREAS = {
     "test_mutmut_kills_contract": "mutmut survivors in validation, each killed by name",
     "test_plugin": "the --impl plug-in path: oracle passes, broken kernels fail",
     "test_repro": "a failed check as a standalone reproduction script",
+    "test_formats": "format converters against each format's definition, round trips",
+    "test_bridges": "torch / NumPy / MLX bridges; native-format kernels through the catalog",
+    "test_declarations": "declarations narrow generation; memory-aware fixture skips",
+    "test_peers": "real third-party kernels (peers/), smoke checks",
 }
 
 
