@@ -72,6 +72,8 @@ class TorchBridge:
         torch = self.torch
         if not isinstance(x, mx.array):
             raise TypeError(f"{name} must be an mlx.core.array, got {type(x).__name__}")
+        if x.size == 0:  # NumPy hands a 0-element array strides of 0, which layout checks refuse
+            return torch.empty(tuple(x.shape), dtype=self._dtype(x.dtype), device=self.device)
         if x.dtype == mx.bfloat16:  # NumPy has no bfloat16: move the bits, then reinterpret them
             t = torch.from_numpy(np.array(x.view(mx.int16))).view(torch.bfloat16)
         else:
@@ -79,6 +81,11 @@ class TorchBridge:
         if self.widen is not None and t.is_floating_point():
             t = t.to(self.widen)
         return t.to(self.device)
+
+    def _dtype(self, dtype):
+        if self.widen is not None and mx.issubdtype(dtype, mx.floating):
+            return self.widen
+        return getattr(self.torch, str(dtype).removeprefix("mlx.core."))
 
     def back(self, out, dtype):
         torch = self.torch

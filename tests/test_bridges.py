@@ -50,6 +50,24 @@ def test_torch_bridge_keeps_dtype_and_bits(dtype, torch):
     assert out.dtype == case.dtype and bits(out) == bits(case.query)
 
 
+def test_torch_bridge_hands_empty_arrays_as_contiguous_tensors(torch):
+    """NumPy gives a 0-element array strides of 0; a kernel checking `stride(-1) == 1`
+    (vLLM's) must see an ordinary empty tensor."""
+    from conformance.bridges import from_torch
+
+    seen = {}
+
+    def kernel(**kw):
+        seen.update({k: (tuple(v.shape), v.stride(), v.dtype) for k, v in kw.items() if isinstance(v, torch.Tensor)})
+        return torch.zeros(kw["query"].shape, dtype=kw["query"].dtype)
+
+    case = paged_case(context_lens=[0, 0], query_len=2, head_dim=8, dtype="bfloat16")
+    out = case.run(from_torch(kernel, query_packing="varlen"))
+    shape, stride, dtype = seen["query"]
+    assert shape == (0, 4, 8) and stride == (32, 8, 1) and dtype == torch.bfloat16
+    assert out.shape == case.query.shape and not np.array(out.astype(mx.float32)).any()
+
+
 def test_torch_bridge_passes_the_kernels_errors_through(torch):
     from conformance.bridges import from_torch
 
