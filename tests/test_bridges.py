@@ -18,8 +18,10 @@ from fixtures import bits, paged_case
 from tests import format_impls
 from tests.test_plugin import run_catalog
 
+# The operator checks a non-validating kernel runs (its rejections are declared away): a
+# child pytest per kernel costs 6-10 s here.
 CATALOG = ["tests/test_hand_fixtures.py", "tests/test_differential.py", "tests/test_mixed_lengths.py",
-           "tests/test_rejections.py", "tests/test_invariants.py"]
+           "tests/test_invariants.py"]
 
 
 def _case(dtype="bfloat16"):
