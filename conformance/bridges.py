@@ -33,6 +33,12 @@ from .capabilities import Capabilities
 _ARRAYS = ("query", "key_pages", "value_pages", "block_table", "context_lens")
 
 
+def _require_mlx(name, x) -> None:
+    """The contract's type rule, as the NumPy and torch bridges enforce it for their kernels."""
+    if not isinstance(x, mx.array):
+        raise TypeError(f"{name} must be an mlx.core.array, got {type(x).__name__}")
+
+
 class MlxBridge:
     name, device, copies = "mlx", "cpu", 0
 
@@ -47,8 +53,7 @@ class NumpyBridge:
     name, device, copies = "numpy", "cpu", 2  # a float32 copy of bf16 pools is twice their bytes
 
     def to(self, name, x):
-        if not isinstance(x, mx.array):
-            raise TypeError(f"{name} must be an mlx.core.array, got {type(x).__name__}")
+        _require_mlx(name, x)
         return np.array(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x)
 
     def back(self, out, dtype):
@@ -70,8 +75,7 @@ class TorchBridge:
 
     def to(self, name, x):
         torch = self.torch
-        if not isinstance(x, mx.array):
-            raise TypeError(f"{name} must be an mlx.core.array, got {type(x).__name__}")
+        _require_mlx(name, x)
         if x.size == 0:  # NumPy hands a 0-element array strides of 0, which layout checks refuse
             return torch.empty(tuple(x.shape), dtype=self._dtype(x.dtype), device=self.device)
         if x.dtype == mx.bfloat16:  # NumPy has no bfloat16: move the bits, then reinterpret them
@@ -101,8 +105,9 @@ class TorchBridge:
         return result.astype(dtype) if self.widen is not None else result
 
 
-def _framework(bridge, x, name):
-    return bridge.to(name, x) if isinstance(x, mx.array) else x
+def _call_native(fn, bridge, kwargs: dict):
+    """`fn` on the native keyword arguments, each array in the bridge's framework."""
+    return fn(**{k: bridge.to(k, v) if isinstance(v, mx.array) else v for k, v in kwargs.items()})
 
 
 def contract_view(fn, spec: dict, bridge):
@@ -119,15 +124,13 @@ def contract_view(fn, spec: dict, bridge):
             return bridge.back(fn(*arrays, page_size, scale=scale, mask=mask, window=window), query.dtype)
         call = formats.native(caps, query, key_pages, value_pages, block_table, context_lens, page_size,
                               scale=scale, mask=mask, window=window)
-        out = fn(**{k: _framework(bridge, v, k) for k, v in call.kwargs.items()})
-        return call.output(bridge.back(out, query.dtype))
+        return call.output(bridge.back(_call_native(fn, bridge, call.kwargs), query.dtype))
 
     def packed(query, cu_seqlens_q, key_pages, value_pages, block_table, context_lens, page_size, *,
                scale=None, mask="causal", window=None):
         kwargs = formats.native_packed(caps, query, cu_seqlens_q, key_pages, value_pages, block_table,
                                        context_lens, page_size, scale=scale, mask=mask, window=window)
-        out = fn(**{k: _framework(bridge, v, k) for k, v in kwargs.items()})
-        return bridge.back(out, query.dtype)
+        return bridge.back(_call_native(fn, bridge, kwargs), query.dtype)
 
     if caps.query_packing == "varlen":
         paged_attention.packed = packed

@@ -2,7 +2,7 @@
 
 | piece        | what it does                                                              |
 |--------------|---------------------------------------------------------------------------|
-| `CALLS`      | the last call the implementation under test received in the running check (`Implementation.__call__` and the plain `attention.fn` both record; the plugin clears it at each check's setup) |
+| `CALLS`      | the last call the implementation under test received in the running check (the plugin wraps `attention.fn` with `recording`, which both `attention(...)` and the rejection checks' `attention.fn(...)` reach, and clears it at each check's setup) |
 | `recording`  | wraps a callable so its calls are recorded (the plugin wraps `attention.fn`)   |
 | `write`      | one failed check's call -> `<name>.npz` (the arrays, the float64 oracle's answer, the tolerance rule's allowance) and `<name>.py` (conformance/repro_script.py: loads them, calls the kernel, says how far off it is; exit 1 while it fails) |
 
@@ -24,7 +24,6 @@ import hashlib
 import inspect
 import math
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,25 +60,16 @@ class Call:
 
 
 class CallLog:
-    """The last call of the running check; a call made inside a recorded call (the
-    `Implementation` calling its wrapped `fn`) is the same call, recorded once."""
+    """The last call of the running check."""
 
     def __init__(self):
         self.last: Call | None = None
-        self._depth = 0
 
     def clear(self) -> None:
         self.last = None
 
-    @contextmanager
-    def call(self, args: tuple, kwargs: dict, unwritable: str = ""):
-        if self._depth == 0:
-            self.last = Call(tuple(args), dict(kwargs), unwritable)
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
+    def record(self, args: tuple, kwargs: dict, unwritable: str = "") -> None:
+        self.last = Call(tuple(args), dict(kwargs), unwritable)
 
 
 CALLS = CallLog()
@@ -91,14 +81,14 @@ def recording(fn):
 
     @functools.wraps(fn)
     def recorded(*args, **kwargs):
-        with CALLS.call(args, kwargs):
-            return fn(*args, **kwargs)
+        CALLS.record(args, kwargs)
+        return fn(*args, **kwargs)
 
     if callable(getattr(fn, "packed", None)):  # mixed query lengths as one varlen call
         @functools.wraps(fn.packed)
         def packed(*args, **kwargs):
-            with CALLS.call(args, kwargs, unwritable="a packed varlen call (mixed query lengths)"):
-                return fn.packed(*args, **kwargs)
+            CALLS.record(args, kwargs, unwritable="a packed varlen call (mixed query lengths)")
+            return fn.packed(*args, **kwargs)
 
         recorded.packed = packed
     return recorded
@@ -188,15 +178,10 @@ def contract_violation(call: Call) -> str | None:
 
 def _oracle(call: Call) -> tuple[np.ndarray, float]:
     """The float64 oracle's answer and the tolerance rule's allowance for this call."""
-    import oracles
-    from oracles.compare import value_scale
-    from oracles.tolerance import allowed_error, max_abs_error
+    from oracles.compare import reference
 
-    bound = SIGNATURE.bind(*call.args, **call.kwargs).arguments
-    ref = oracles.float64(*call.args, **call.kwargs)
-    sdpa = oracles.MLX_ORACLES["sdpa"](*call.args, **call.kwargs)
-    mx.eval(sdpa)
-    allowed = allowed_error(bound["query"].dtype, ref, max_abs_error(sdpa, ref), value_scale(bound["value_pages"]))
+    bound = SIGNATURE.bind(*call.args, **call.kwargs)
+    ref, allowed = reference(bound.args, bound.kwargs)  # positional as the contract orders them
     return np.asarray(ref, dtype=np.float64), float(allowed)
 
 

@@ -36,12 +36,25 @@ def value_scale(value_pages) -> float:
     return float(finite.max()) if finite.size else 1.0
 
 
+def allowance(args: tuple, ref: np.ndarray, sdpa_out) -> float:
+    """The tolerance rule's allowance for one call (`args` positional, the value pool third)
+    given the float64 answer and the SDPA oracle's output on it."""
+    return allowed_error(args[0].dtype, ref, max_abs_error(sdpa_out, ref), value_scale(args[2]))
+
+
+def reference(args: tuple, kwargs: dict) -> tuple[np.ndarray, float]:
+    """The float64 oracle's answer on one call and the tolerance rule's allowance for it."""
+    ref = float64(*args, **kwargs)
+    sdpa_out = MLX_ORACLES["sdpa"](*args, **kwargs)
+    mx.eval(sdpa_out)
+    return ref, allowance(args, ref, sdpa_out)
+
+
 def compare(out, args: tuple, kwargs: dict) -> Comparison:
-    dtype = args[0].dtype
     ref = float64(*args, **kwargs)
     outs = {name: fn(*args, **kwargs) for name, fn in MLX_ORACLES.items()}
     mx.eval(*outs.values())
-    allowed = allowed_error(dtype, ref, max_abs_error(outs["sdpa"], ref), value_scale(args[2]))
+    allowed = allowance(args, ref, outs["sdpa"])
     self_errors = {name: max_abs_error(o, ref) for name, o in outs.items()}
     ref_out = {name: np.array(o.astype(mx.float32)) for name, o in outs.items()}
     scale = ref_scale(ref)

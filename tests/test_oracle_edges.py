@@ -21,8 +21,8 @@ import pytest
 
 import oracles
 from fixtures import edge_case, edge_names, to_numpy
-from oracles.compare import compare, value_scale
-from oracles.tolerance import allowed_error, max_abs_error
+from oracles.compare import compare, reference
+from oracles.tolerance import max_abs_error
 
 pytestmark = pytest.mark.correctness
 
@@ -70,9 +70,7 @@ def test_valid_edge_input_runs_through_the_oracle(name, oracle, attention, error
         assert not result.failures(), result.failures()
         return
     got = _assert_answers(case.run(ORACLES[oracle]), case, f"oracle {oracle}")
-    ref = case.run(oracles.float64)
-    sdpa_error = max_abs_error(case.run(oracles.sdpa.attention), ref)
-    allowed = allowed_error(case.dtype, ref, sdpa_error, value_scale(case.value_pages))
+    ref, allowed = reference(case.args(), case.kwargs())
     own = max_abs_error(got, ref)
     assert own <= allowed, f"oracle {oracle} vs float64: {own:.3e} > allowed {allowed:.3e}"
     err = max_abs_error(out, got)

@@ -29,13 +29,12 @@ from hypothesis import strategies as st
 
 import impl
 import impl.attention
-import oracles
 from conformance.implementation import assert_same_output
 from conformance.plugin import current
 from fixtures import bits, paged_case, to_numpy
 from fixtures.strategies import REJECTIONS, applicable, corruptions, layouts, ruled_out
-from oracles.compare import value_scale
-from oracles.tolerance import Verdict, allowed_error, max_abs_error, ref_scale
+from oracles.compare import reference
+from oracles.tolerance import Verdict, max_abs_error, ref_scale
 
 pytestmark = pytest.mark.correctness
 
@@ -65,9 +64,7 @@ def _case(layout, attention):
 
 
 def _verdict(case, out) -> Verdict:
-    ref = case.run(oracles.float64)
-    sdpa = case.run(oracles.MLX_ORACLES["sdpa"])
-    allowed = allowed_error(case.dtype, ref, max_abs_error(sdpa, ref), value_scale(case.value_pages))
+    ref, allowed = reference(case.args(), case.kwargs())
     return Verdict(max_abs_error(out, ref), allowed, ref_scale(ref))
 
 

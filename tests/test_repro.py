@@ -11,7 +11,6 @@ Python with only the repository on PYTHONPATH.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -151,19 +150,17 @@ def _case():
 
 def test_recorder_keeps_the_last_call():
     log = repro.CallLog()
-    with log.call((1,), {"a": 1}):
-        with log.call((99,), {}):  # the same call, one level down (Implementation -> fn)
-            pass
-    with log.call((2,), {"b": 2}):
-        pass
+    log.record((1,), {"a": 1})
+    log.record((2,), {"b": 2})
     assert log.last == repro.Call((2,), {"b": 2})
     log.clear()
     assert log.last is None
     case = _case()
     impl = load("tests.plugin_impls:float64_oracle")
     repro.CALLS.clear()
-    case.run(impl)
-    case.with_(window=None).run(repro.recording(impl.fn))
+    recorded = repro.recording(impl.fn)
+    case.run(recorded)
+    case.with_(window=None).run(recorded)
     assert repro.CALLS.last.kwargs["window"] is None and repro.CALLS.last.args[0] is case.query
     wrapped = repro.recording(impl.fn)
     assert wrapped.pagecheck_capabilities == impl.fn.pagecheck_capabilities
