@@ -26,19 +26,35 @@ author need not import pagecheck). Every key is optional; an unknown key is a us
 | `window_convention` | `count` (w keys: pagecheck, vLLM, HF), `flash` (FlashAttention's `(w - 1, 0)`), `flashinfer` (`window_left = w - 1`) | `count` |
 | `extra_memory`      | what one call may allocate beyond its inputs, in multiples of the KV pools' bytes (a float64 copy of bf16 pools: 4) | 4.0 |
 | `widens_to`         | the dtype a bridge hands the kernel instead of the query's (declared widening), or None | None |
+| `softcap`           | contract v2: `softcap=c` (`s = c * tanh(s / c)` on the scaled score) | False              |
+| `alibi`             | contract v2: `alibi_slopes` float32 `[Hq]` (`s_j += slope_h * (j - p)` after the cap) | False |
+| `sinks`             | contract v2: `sinks` float32 `[Hq]` (a logit in the softmax's denominator only) | False      |
+| `lse`               | contract v2: `return_lse=True` returns `(out, lse)`, lse float32 `[B, Hq, L]` (natural log, `-inf` for an empty slot) | False |
+| `value_head_dim`    | contract v2: value pages with a head dim Dv != Dk (output `[..., Dv]`) | False                  |
+| `lse_convention`    | how its lse is written (conformance/formats/conventions.py): `natural` or `base2` (FlashInfer) | `natural` |
+| `empty_lse`         | the lse of an empty row: `-inf` or `+inf` (FlashAttention 2)  | `-inf`                     |
+| `alibi_convention`  | how it applies the slopes: `position` (pagecheck), `context_end` (vLLM CUDA), `abs_distance` (FlashAttention 2), `bias_before_cap` (FlashInfer) | `position` |
 
 A kernel that declares any of `layout`, `page_table`, `query_packing` or
 `window_convention` (or comes through a bridge that does) is called with the keyword
 arguments of its native format (conformance/formats); one that declares none takes the
-contract's own signature.
+contract's own signature. The convention keys (`lse_convention`, `empty_lse`,
+`alibi_convention`) keep the signature; the bridge converts the kernel's lse back.
 
 A check a declaration rules out is skipped with the reason (and counted in the report);
-an undeclared implementation runs the whole contract except the bitwise and thread checks.
+an undeclared implementation runs the whole first contract except the bitwise and thread
+checks, and none of the contract-v2 features: a kernel is never failed for lacking one
+it does not declare. The reason of such a skip names the feature and the key, e.g.
+`sinks (declare sinks=True in pagecheck_capabilities)` (`feature_reason`; the report
+counts them per feature with `features_in`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
+
+from contract import ScorePipeline
 
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -50,9 +66,33 @@ CHOICES = {
     "page_table": ("padded", "csr"),
     "query_packing": ("padded", "varlen"),
     "window_convention": ("count", "flash", "flashinfer"),
+    "lse_convention": ("natural", "base2"),
+    "empty_lse": ("-inf", "+inf"),
+    "alibi_convention": ("position", "context_end", "abs_distance", "bias_before_cap"),
 }
 FORMAT_KEYS = ("layout", "page_table", "query_packing", "window_convention")
-_BOOLS = ("prefill", "window", "unmasked", "validates_input", "bitwise_batch", "bitwise_threads")
+CONVENTION_KEYS = ("lse_convention", "empty_lse", "alibi_convention")
+# contract-v2 features (keys of contract.pipeline.FEATURES) and Dv != Dk: each a bool key
+FEATURE_KEYS = ("softcap", "alibi", "sinks", "lse", "value_head_dim")
+_BOOLS = ("prefill", "window", "unmasked", "validates_input", "bitwise_batch", "bitwise_threads", *FEATURE_KEYS)
+_DECLARE = re.compile(r"declare ((?:\w+=True(?:, )?)+) in pagecheck_capabilities")
+
+
+def feature_reason(features, detail: str = "") -> str:
+    """The skip reason of a call using undeclared contract-v2 `features` (FEATURE_KEYS),
+    e.g. `sinks (declare sinks=True in pagecheck_capabilities)`."""
+    features = tuple(features)
+    declare = ", ".join(f"{f}=True" for f in features)
+    return f"{', '.join(features)} ({detail + '; ' if detail else ''}declare {declare} in pagecheck_capabilities)"
+
+
+def features_in(reason: str) -> tuple[str, ...]:
+    """The undeclared features a skip reason names (the inverse of feature_reason)."""
+    m = _DECLARE.search(str(reason))
+    if not m:
+        return ()
+    named = [part.removesuffix("=True") for part in m.group(1).split(", ") if part]
+    return tuple(f for f in FEATURE_KEYS if f in named)
 
 
 def split_x(dtype: str) -> int:
@@ -82,6 +122,14 @@ class Capabilities:
     window_convention: str = "count"
     extra_memory: float = 4.0
     widens_to: str | None = None
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
+    lse: bool = False
+    value_head_dim: bool = False
+    lse_convention: str = "natural"
+    empty_lse: str = "-inf"
+    alibi_convention: str = "position"
     native_call: bool = False  # set by `declared`: some format key was given
 
     @classmethod
@@ -158,18 +206,37 @@ class Capabilities:
                     f"for {dtype})")
         return None
 
+    @property
+    def converted(self) -> bool:
+        """Whether a bridge stands between the contract and the kernel: a native format,
+        or a convention other than pagecheck's own (the lse to convert back)."""
+        return self.native_call or any(getattr(self, k) != CHOICES[k][0] for k in CONVENTION_KEYS)
+
+    def features(self) -> tuple[str, ...]:
+        """The contract-v2 features declared (FEATURE_KEYS order)."""
+        return tuple(f for f in FEATURE_KEYS if getattr(self, f))
+
     def unsupported(self, *, dtype: str, head_dim: int, page_size: int, query_len: int,
-                    mask, window) -> str | None:
-        """Why a valid call with these features is outside the declaration, or None."""
+                    pipeline: ScorePipeline, value_head_dim: int | None = None) -> str | None:
+        """Why a call (its shapes, its score pipeline `pipeline`, its value pages' head
+        dim) is outside the declaration, or None. The one place a call is held against
+        the declaration: Implementation and the bridges ask here."""
         reason = self.unsupported_shape(dtype=dtype, head_dim=head_dim, page_size=page_size)
         if reason:
             return reason
         if query_len > 1 and not self.prefill:
             return f"L = {query_len} > 1 (declared prefill=False)"
-        if mask is None and not self.unmasked:
+        if pipeline.mask is None and not self.unmasked:
             return "mask=None (declared unmasked=False)"
-        if window is not None and not self.window:
+        if pipeline.window is not None and not self.window:
             return "a sliding window (declared window=False)"
+        missing = [f for f in pipeline.features() if not getattr(self, f)]
+        details = []
+        if value_head_dim is not None and value_head_dim != head_dim and not self.value_head_dim:
+            missing.append("value_head_dim")
+            details.append(f"Dv = {value_head_dim} != Dk = {head_dim}")
+        if missing:
+            return feature_reason(missing, "; ".join(details))
         return None
 
     def summary(self) -> dict:

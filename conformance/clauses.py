@@ -1,4 +1,4 @@
-"""The contract clauses (REFERENCE.md sections 1 and 2) that operator checks point at.
+"""The contract clauses (REFERENCE.md sections 1, 1b and 2) that operator checks point at.
 
 A check names its clauses with `@pytest.mark.clause("gqa", ...)` (or per parameter); a
 failing check's report carries the clause text, so a kernel author reads which rule of
@@ -20,6 +20,18 @@ CLAUSES = {
     "dtype": "the output has the query's dtype and shape; accumulation in float32, one final cast",
     "stability": "softmax stays finite and accurate for huge or very negative logits",
     "shared_pages": "two rows may name the same physical page; the operator only reads",
+    # section 1b: contract v2 (each checked only where the implementation declares the feature)
+    "softcap": "soft-cap c > 0: s_j = c * tanh(s_j / c) on the scaled score, before bias and mask "
+               "(never via exp, which overflows near |s/c| ~ 88)",
+    "alibi": "ALiBi slopes [Hq]: s_j += slope_h * (j - p), after the cap",
+    "sinks": "sinks [Hq]: m = max(max_j s_j, sigma_h), d = sum_j e^(s_j - m) + e^(sigma_h - m), "
+             "o = sum_j e^(s_j - m) v_j / d; sigma never scaled or capped, counted once per row whatever the split",
+    "lse": "return_lse: lse [B, Hq, L] float32 = m + ln d, natural log, sinks included; "
+           "an empty row has lse -inf and a zero output",
+    "merge_states": "merge_states: lse = logaddexp(a, b), o = e^(a - lse) o_a + e^(b - lse) o_b; "
+                    "two empty states give (0, -inf)",
+    "value_dim": "Dk != Dv: K pages [P, Hkv, ps, Dk], V pages [P, Hkv, ps, Dv], output [..., Dv], "
+                 "default scale Dk ** -0.5",
     # section 2: invariants
     "inv1": "invariant 1: context_lens selects exactly the written positions",
     "inv2": "invariant 2: block_table reconstructs the dense logical order",
@@ -43,6 +55,12 @@ REJECTIONS = {
     "scale": "a non-finite or non-numeric scale is rejected",
     "mask": "a mask other than 'causal' or None is rejected",
     "window": "a window < 1, or a window without causal masking, is rejected",
+    "softcap": "a soft-cap <= 0, non-finite or not a number is rejected",
+    "alibi_slopes": "ALiBi slopes that are not a float32 [Hq] array are rejected",
+    "sinks": "sinks that are not a float32 [Hq] array are rejected",
+    "lse": "a return_lse other than True or False is rejected",
+    "value_shape": "value pages disagreeing with the key pages outside the head dim are rejected",
+    "merge": "merge_states inputs of mismatched shapes or dtypes are rejected",
     "context_negative": "a negative context length is rejected",
     "context_short": "0 < context_lens[b] < L is rejected",
     "table_short": "a row needing more than max_pages pages is rejected",

@@ -1,7 +1,8 @@
 """The implementation under test: the built-in kernel, or any callable named `MODULE:ATTR`.
 
 The callable must take and return `mlx.core.array` with the REFERENCE.md section 1
-signature. `Implementation` wraps it with its declared capabilities
+signature (and the contract-v2 keywords of section 1b it declares: a call with
+`return_lse=True` returns `(out, lse)`). `Implementation` wraps it with its declared capabilities
 (conformance/capabilities.py) and the few helpers checks need to stay
 implementation-neutral: skip a call outside the declaration, compare two outputs
 bitwise or under the tolerance rule, set the worker count.
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import pytest
 
-from .capabilities import Capabilities
+from contract import ScorePipeline
+
+from .capabilities import FEATURE_KEYS, Capabilities, feature_reason
 
 BUILTIN = "impl:paged_attention"
 
@@ -39,13 +42,19 @@ class Implementation:
             pytest.skip(f"not declared by {self.name}: {reason}")
         return self.fn(*args, **kwargs)
 
-    def unsupported(self, query, key_pages, value_pages, block_table, context_lens, page_size, *,
-                    scale=None, mask="causal", window=None) -> str | None:
+    def unsupported(self, query, key_pages, value_pages, block_table, context_lens, page_size,
+                    **options) -> str | None:
+        """Why this call is outside the declaration, or None. The call is read as its
+        `ScorePipeline` (contract/pipeline.py) and the value pool's head dim."""
         if not isinstance(query, mx.array) or query.ndim != 4:
             return None  # a malformed call is a rejection check, never skipped here
-        dtype = str(query.dtype).removeprefix("mlx.core.")
-        return self.caps.unsupported(dtype=dtype, head_dim=query.shape[-1], page_size=page_size,
-                                     query_len=query.shape[2], mask=mask, window=window)
+        try:
+            pipeline = ScorePipeline.of(options)
+        except TypeError:
+            return None  # an unknown keyword: the kernel's own TypeError, not a skip
+        return self.caps.unsupported(dtype=_dtype(query), head_dim=query.shape[-1], page_size=page_size,
+                                     query_len=query.shape[2], pipeline=pipeline,
+                                     value_head_dim=_value_dim(query, key_pages, value_pages))
 
     def supports(self, case) -> bool:
         return self.unsupported(*case.args(), **case.kwargs()) is None
@@ -53,7 +62,17 @@ class Implementation:
     def require(self, capability: str) -> None:
         """Skips the calling check unless the capability is declared."""
         if not getattr(self.caps, capability):
-            pytest.skip(f"not declared by {self.name}: {capability} (declare it in pagecheck_capabilities)")
+            what = feature_reason([capability]) if capability in FEATURE_KEYS else \
+                f"{capability} (declare it in pagecheck_capabilities)"
+            pytest.skip(f"not declared by {self.name}: {what}")
+
+    def require_case(self, case) -> None:
+        """Skips the calling check when `case` uses what the declaration rules out, even
+        where the check calls `attention.fn` directly (a rejection of a bad soft-cap is
+        no check for a kernel without soft-cap)."""
+        reason = self.unsupported(*case.args(), **case.kwargs())
+        if reason:
+            pytest.skip(f"not declared by {self.name}: {reason}")
 
     def packed(self, mixed):
         """Runs a batch of mixed query lengths (fixtures/mixed.py) as one packed call;
@@ -61,13 +80,14 @@ class Implementation:
         if not hasattr(self.fn, "packed"):
             pytest.skip(f"not declared by {self.name}: mixed query lengths in one batch need "
                         f"query_packing='varlen' (the padded form gives every request the same L)")
-        dtype = str(mixed.query.dtype).removeprefix("mlx.core.")
-        reason = self.caps.unsupported(dtype=dtype, head_dim=mixed.query.shape[-1], page_size=mixed.page_size,
-                                       query_len=mixed.max_query_len, mask=mixed.mask, window=mixed.window)
+        reason = self.caps.unsupported(dtype=_dtype(mixed.query), head_dim=mixed.query.shape[-1],
+                                       page_size=mixed.page_size, query_len=mixed.max_query_len,
+                                       pipeline=ScorePipeline.of(mixed.kwargs()),
+                                       value_head_dim=_value_dim(mixed.query, *mixed.args()[2:4]))
         if reason:
             pytest.skip(f"not declared by {self.name}: {reason}")
         out = self.fn.packed(*mixed.args(), **mixed.kwargs())
-        mx.eval(out)
+        mx.eval(*[x for x in (out if isinstance(out, tuple) else (out,)) if isinstance(x, mx.array)])
         return out
 
     def set_num_threads(self, n: int) -> None:
@@ -75,12 +95,27 @@ class Implementation:
         self.caps.set_num_threads(n)
 
 
+def _dtype(x) -> str:
+    return str(x.dtype).removeprefix("mlx.core.")
+
+
+def _value_dim(query, key_pages, value_pages) -> int | None:
+    """The value pool's head dim Dv where the call's Dk is well defined (query and key
+    pages agree); None for a malformed call, which is a rejection check, never a skip."""
+    pools = all(isinstance(x, mx.array) and x.ndim == 4 for x in (key_pages, value_pages))
+    if not pools or key_pages.shape[-1] != query.shape[-1]:
+        return None
+    return value_pages.shape[-1]
+
+
 def builtin() -> Implementation:
     import impl
 
     # extra_memory 0: the kernel reads the pools in place and allocates only its output.
+    # It computes the whole contract v2 (REFERENCE.md 1b).
     caps = Capabilities(bitwise_batch=True, bitwise_threads=True, set_num_threads=impl.set_num_threads,
-                        error_types=(impl.ContractViolation,), extra_memory=0.0)
+                        error_types=(impl.ContractViolation,), extra_memory=0.0, softcap=True, alibi=True,
+                        sinks=True, lse=True, value_head_dim=True)
     return Implementation("pagecheck built-in (impl.paged_attention)", impl.paged_attention, caps, builtin=True)
 
 
@@ -114,7 +149,7 @@ def load(spec: str | None) -> Implementation:
     try:
         declared = getattr(obj, "pagecheck_capabilities", None)
         caps = Capabilities.declared(declared)
-        if caps.native_call and not getattr(obj, "pagecheck_contract_form", False):
+        if caps.converted and not getattr(obj, "pagecheck_contract_form", False):
             from .bridges import from_mlx  # an MLX kernel in a foreign format: convert each call
 
             obj = from_mlx(obj)
@@ -131,7 +166,10 @@ def assert_same_output(impl: Implementation, out, want, case, what: str) -> None
     from oracles.compare import compare
 
     if impl.caps.bitwise_batch:
-        assert bits(out) == bits(want), f"{what}: bits differ (declared bitwise_batch)"
+        parts = lambda x: x if isinstance(x, tuple) else (x,)  # noqa: E731 - (out, lse) with return_lse
+        assert len(parts(out)) == len(parts(want)), f"{what}: {len(parts(out))} results, expected {len(parts(want))}"
+        for name, o, w in zip(("output", "lse"), parts(out), parts(want)):
+            assert bits(o) == bits(w), f"{what}: {name} bits differ (declared bitwise_batch)"
         return
     for label, o in (("first", want), ("second", out)):
         failures = compare(o, case.args(), case.kwargs()).failures()

@@ -77,7 +77,8 @@ def _clauses(item) -> tuple:
 def _message(rep) -> str:
     if rep.outcome == "skipped":
         text = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        return text.removeprefix("Skipped: ")
+        # a skip subclass (formats' NotExpressible) is shown with its class name: the reason alone
+        return text.removeprefix("Skipped: ").removeprefix("conformance.formats.errors.NotExpressible: ")
     if rep.outcome == "failed":
         crash = getattr(rep.longrepr, "reprcrash", None)
         return crash.message if crash is not None else str(rep.longrepr).splitlines()[-1]

@@ -3,6 +3,7 @@
 | section           | content                                                          |
 |-------------------|------------------------------------------------------------------|
 | header            | implementation, declared capabilities, versions, verdict, counts |
+| contract v2       | each v2 feature (soft-cap, ALiBi, sinks, lse, Dv != Dk): declared or not, and how many checks were skipped for lacking it |
 | failures          | first: each failed check, the contract clause it points at, the message and its reproduction script (`repro/<check>.py`, conformance/repro.py) |
 | areas             | passed / failed / skipped per check area                          |
 | skipped           | each skip reason with its count (declarations, built-in-only checks) |
@@ -21,6 +22,7 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .capabilities import FEATURE_KEYS, features_in
 from .clauses import describe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +33,13 @@ AREAS = {
     "test_oracles": "oracles agree on the hand example and each other",
     "test_differential": "implementation vs the four oracles (tolerance rule)",
     "test_hand_fixtures": "hand fixtures: answers derived by hand",
+    "test_hand_fixtures_v2": "hand-fixture loader: the contract-v2 keys",
+    "test_score_pipeline": "contract v2: soft-cap, ALiBi, sinks, lse, Dv != Dk vs the oracles and invariants 6-9",
+    "test_properties_v2": "hypothesis: random layouts with random score pipelines",
+    "test_cascade": "cascade: a prefix and a suffix merged == one call",
+    "test_merge_states": "merge_states: the formula, empty states, rejections",
+    "test_oracles_v2": "contract v2 in the oracles: each feature vs float64, hand answers, merge_states64",
+    "test_conventions_v2": "lse and ALiBi conventions of other systems, converted",
     "test_invariants": "operator invariants 1, 2, 3, 6, 7, 8, 9",
     "test_rejections": "bad input: specific error, nothing written",
     "test_properties": "hypothesis: random layouts vs float64, rejections",
@@ -49,7 +58,7 @@ AREAS = {
     "test_scheduler_invariants": "invariants 1-10 through the scheduler",
     "test_pool_machine": "hypothesis: pool and cache state machine",
     "test_scheduler_machine": "hypothesis: scheduler state machine",
-    "test_model": "mlx-lm Qwen3: paged tokens == dense tokens",
+    "test_model": "mlx-lm Qwen3 (f32, bf16) and gpt-oss (sinks, sliding layers): paged vs dense",
     "test_mutmut_kills": "mutmut survivors in the serving core, each killed by name",
     "test_mutmut_kills_contract": "mutmut survivors in validation, each killed by name",
     "test_plugin": "the --impl plug-in path: oracle passes, broken kernels fail",
@@ -133,13 +142,24 @@ def build(impl, recorder, exitstatus) -> Doc:
         (["dtype", "oracle", "max abs error", "max rel error", "worst share of allowance"],
          [[d, a, f"{e:.3e}", f"{r:.3e}", f"{s:.0%}"] for (d, a), (e, r, s) in sorted(recorder.errors.worst.items())]),
         key="errors")
-    sections = [head, failures, areas, skipped, errors]  # failures first: what to fix, and how to rerun it
+    features = feature_record(impl, outcomes)
+    declared = [f for f in FEATURE_KEYS if features[f]["declared"]]
+    head.text.insert(2, "contract v2 features declared: " + (", ".join(declared) or "none")
+                     + (" (the checks of the others are skipped with the reason)" if len(declared) < len(FEATURE_KEYS)
+                        else ""))
+    v2 = Section("Contract v2 features (REFERENCE.md 1b)", [
+        "A feature the implementation does not declare is never checked: each check using it is skipped with "
+        "the reason `not declared by ...: FEATURE (declare FEATURE=True in pagecheck_capabilities)`."],
+        (["feature", "capability", "declared", "checks skipped for it"],
+         [[FEATURE_TEXT[f], f, "yes" if features[f]["declared"] else "no", str(features[f]["skipped"])]
+          for f in FEATURE_KEYS]), key="features")
+    sections = [head, failures, v2, areas, skipped, errors]  # failures first: what to fix, and how to rerun it
     if impl.builtin:
         sections += _mutant_sections()
     sections.append(Section("Every check", table=(["check", "result", "clauses", "detail"], [
         [o.nodeid, o.outcome, ", ".join(o.clauses) or "-", _one_line(o.message)[:160]] for o in outcomes])))
     data = {"implementation": impl.name, "builtin": impl.builtin, "capabilities": impl.caps.summary(),
-            "verdict": verdict, "counts": dict(total),
+            "verdict": verdict, "counts": dict(total), "features": features,
             "checks": [{"id": o.nodeid, "outcome": o.outcome, "clauses": list(o.clauses), "message": o.message,
                         **({"repro": getattr(o, "repro", "") or None, "repro_note": getattr(o, "repro_note", "")}
                            if o.outcome == "failed" else {})}
@@ -147,6 +167,17 @@ def build(impl, recorder, exitstatus) -> Doc:
             "errors": [{"dtype": d, "oracle": a, "max_abs": e, "max_rel": r, "share_of_allowance": s}
                        for (d, a), (e, r, s) in sorted(recorder.errors.worst.items())]}
     return Doc("pagecheck conformance report", verdict, sections, data)
+
+
+FEATURE_TEXT = {"softcap": "soft-cap", "alibi": "ALiBi slopes", "sinks": "attention sinks",
+                "lse": "log-sum-exp output", "value_head_dim": "value head dim Dv != Dk"}
+
+
+def feature_record(impl, outcomes) -> dict:
+    """Per contract-v2 feature: declared or not, and the skipped checks whose reason names
+    it as undeclared (a check lacking two features counts for both)."""
+    skipped = collections.Counter(f for o in outcomes if o.outcome == "skipped" for f in features_in(o.message))
+    return {f: {"declared": bool(getattr(impl.caps, f)), "skipped": skipped[f]} for f in FEATURE_KEYS}
 
 
 REPRO_HELP = ("Each failed check that called the implementation has a standalone reproduction beside this "
@@ -199,7 +230,12 @@ def terminal_lines(doc: Doc, directory: Path | None = None) -> list:
     `directory` (the report directory) when given."""
     lines = [doc.sections[0].text[0].strip("*")]
     for section in doc.sections[1:]:
-        if section.key == "areas":
+        if section.key == "features":
+            rows = section.table[1]
+            line = "contract v2 features declared: " + (", ".join(f for _, f, d, _ in rows if d == "yes") or "none")
+            missing = [f"{f} ({n} checks skipped)" for _, f, d, n in rows if d == "no"]
+            lines.append(line + ("; not declared: " + ", ".join(missing) if missing else ""))
+        elif section.key == "areas":
             lines.append("")
             lines.append(f"{'area':<26} {'':<52} {'passed':>6} {'failed':>6} {'skipped':>7}")
             for a, what, p, f, s in section.table[1]:

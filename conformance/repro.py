@@ -4,7 +4,7 @@
 |--------------|---------------------------------------------------------------------------|
 | `CALLS`      | the last call the implementation under test received in the running check (the plugin wraps `attention.fn` with `recording`, which both `attention(...)` and the rejection checks' `attention.fn(...)` reach, and clears it at each check's setup) |
 | `recording`  | wraps a callable so its calls are recorded (the plugin wraps `attention.fn`)   |
-| `write`      | one failed check's call -> `<name>.npz` (the arrays, the float64 oracle's answer, the tolerance rule's allowance) and `<name>.py` (conformance/repro_script.py: loads them, calls the kernel, says how far off it is; exit 1 while it fails) |
+| `write`      | one failed check's call -> `<name>.npz` (the arrays, the contract-v2 ones `alibi_slopes` / `sinks` included, the float64 oracle's answer, the tolerance rule's allowance; with `return_lse` the oracle's lse and its allowance too) and `<name>.py` (conformance/repro_script.py: loads them, calls the kernel, says how far off out and lse are; exit 1 while it fails) |
 
 Why the last call: a check's failing assertion follows the call it judges, and
 hypothesis replays the shrunk failing example last, so the last call is the shrunk one.
@@ -30,6 +30,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from contract import ScorePipeline
+from contract.pipeline import OPTIONS
+
 from .repro_script import render
 
 MAX_BYTES = 64 * 2 ** 20
@@ -41,12 +44,15 @@ COMPARES_CALLS = {"inv2": "the output of one table order against another",
                   "inv7": "the bits under one worker count against another",
                   "inv8": "a prefill row's bits against the one-token decode at its position",
                   "inv9": "the output with garbage in unread slots or entries against the clean one"}
-NATIVE_KEYS = ("layout", "page_table", "query_packing", "window_convention")
+# declared keys that make `load` convert the kernel's calls (formats and conventions)
+NATIVE_KEYS = ("layout", "page_table", "query_packing", "window_convention", "lse_convention", "empty_lse",
+               "alibi_convention")
 
 
 def _contract(query, key_pages, value_pages, block_table, context_lens, page_size, *,
-              scale=None, mask="causal", window=None):
-    """The contract's signature (REFERENCE.md section 1), for naming recorded arguments."""
+              scale=None, mask="causal", window=None, softcap=None, alibi_slopes=None, sinks=None,
+              return_lse=False):
+    """The contract's signature (REFERENCE.md sections 1 and 1b), for naming recorded arguments."""
 
 
 SIGNATURE = inspect.signature(_contract)
@@ -158,7 +164,7 @@ def contract_violation(call: Call) -> str | None:
     """Why the contract rejects this call ("[clause] message"), or None for a valid call
     (the contract's checks as impl/validation.py states them)."""
     from impl.errors import ContractViolation
-    from impl.validation import PagedMetadata, check_arrays, check_options
+    from impl.validation import PagedMetadata, check_arrays, check_pipeline
 
     try:
         bound = SIGNATURE.bind(*call.args, **call.kwargs)
@@ -168,7 +174,7 @@ def contract_violation(call: Call) -> str | None:
     try:
         geom = check_arrays(a["query"], a["key_pages"], a["value_pages"], a["block_table"], a["context_lens"],
                             a["page_size"])
-        check_options(geom.head_dim, a["scale"], a["mask"], a["window"])
+        check_pipeline(geom, ScorePipeline.of({k: a[k] for k in OPTIONS}))
         PagedMetadata.build(a["block_table"], a["context_lens"], page_size=geom.page_size,
                             num_pages=geom.num_pages, query_len=geom.query_len)
     except ContractViolation as e:
@@ -176,13 +182,19 @@ def contract_violation(call: Call) -> str | None:
     return None
 
 
-def _oracle(call: Call) -> tuple[np.ndarray, float]:
-    """The float64 oracle's answer and the tolerance rule's allowance for this call."""
+def _oracle(call: Call) -> dict:
+    """The float64 oracle's answer and the tolerance rule's allowance for this call:
+    `expected`, `allowed` and, with return_lse, `expected_lse`, `allowed_lse` (the LSE
+    rule of oracles/tolerance.py)."""
     from oracles.compare import reference
 
     bound = SIGNATURE.bind(*call.args, **call.kwargs)
     ref, allowed = reference(bound.args, bound.kwargs)  # positional as the contract orders them
-    return np.asarray(ref, dtype=np.float64), float(allowed)
+    if not bound.kwargs.get("return_lse"):
+        return {"expected": np.asarray(ref, dtype=np.float64), "allowed": np.float64(allowed)}
+    (ref, ref_lse), (allowed, allowed_lse) = ref, allowed
+    return {"expected": np.asarray(ref, dtype=np.float64), "allowed": np.float64(allowed),
+            "expected_lse": np.asarray(ref_lse, dtype=np.float64), "allowed_lse": np.float64(allowed_lse)}
 
 
 def short_message(message: str, fixtures=()) -> str:
@@ -216,7 +228,7 @@ def write(call: Call | None, directory: Path, *, nodeid: str, impl, clauses=(), 
     size = sum(_size(v) for _, _, v in named)
     violation = contract_violation(call)
     if violation is None:
-        size += _size(named[0][2]) * 2  # the float64 answer, the query's shape
+        size += _size(named[0][2]) * 2  # the float64 answer, about the query's shape (and its lse)
     if size > max_bytes:
         return Repro(note=f"not written: the call's arrays take {_human(size)}, over the "
                           f"{_human(max_bytes)} cap of a repro file")
@@ -239,10 +251,9 @@ def write(call: Call | None, directory: Path, *, nodeid: str, impl, clauses=(), 
         mode = "reject"
     else:
         try:
-            arrays["expected"], allowed = _oracle(call)
+            arrays.update(_oracle(call))
         except Exception as e:  # noqa: BLE001 - an oracle that cannot compute this call: say so
             return Repro(note=f"not written: the float64 oracle failed on the call ({type(e).__name__}: {e})")
-        arrays["allowed"] = np.float64(allowed)
     directory.mkdir(parents=True, exist_ok=True)
     stem = file_name(nodeid)
     np.savez(directory / f"{stem}.npz", **arrays)

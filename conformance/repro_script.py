@@ -3,7 +3,8 @@
 The script needs numpy, mlx and the kernel only: it rebuilds the recorded arguments in
 their dtypes, imports the kernel by `--impl MODULE:ATTR` (the failed one by default),
 makes the call and judges it as the check did: within the float64 oracle's allowance
-("match"), or rejected with one of the declared error types ("reject"). Exit status 1
+("match"; with `return_lse=True` the lse too, against the oracle's lse), or rejected with
+one of the declared error types ("reject"). Exit status 1
 while it fails, 0 when it passes, 2 where a rejection does not apply.
 """
 
@@ -41,7 +42,10 @@ def render(*, stem, nodeid, spec, mode, violation, errors, clauses, message, sta
                      "one of its declared error types with a message, before computing anything."), ""]
     else:
         doc += [wrap("The answer is the float64 oracle's (pagecheck oracles.float64) on this input, and the "
-                     "allowance the tolerance rule's (oracles/tolerance.py), both computed when the check failed."),
+                     "allowance the tolerance rule's (oracles/tolerance.py), both computed when the check failed."
+                     + (" The call asks for the lse too (return_lse=True): it is judged against the oracle's lse "
+                        "(-inf exactly on empty rows, within its allowance elsewhere)." if "expected_lse" in arrays
+                        else "")),
                 ""]
     if compared:
         doc += [wrap(f"This check compares the outputs of two calls ({'; '.join(compared)}). Only its last "
@@ -88,7 +92,8 @@ ERROR_TYPES = @@ERRORS@@  # the failed kernel's contract errors (a subclass coun
 VIOLATION = @@VIOLATION@@  # why the contract rejects the input (EXPECT == "reject")
 TWO_CALLS = @@COMPARED@@  # the check compared two calls; this is the last one
 DATA = Path(__file__).resolve().with_name(@@DATA@@)
-NATIVE_KEYS = ("layout", "page_table", "query_packing", "window_convention")
+NATIVE_KEYS = ("layout", "page_table", "query_packing", "window_convention", "lse_convention", "empty_lse",
+               "alibi_convention")
 
 
 def load_kernel(spec):
@@ -113,13 +118,50 @@ def argument(data, name):
     return mx.array(value, dtype=getattr(mx, dtype))
 
 
+def match_lse(lse, data):
+    """The lse against the oracle's: float32, [B, Hq, L], -inf exactly where the oracle's
+    is (an empty row), within the allowance elsewhere. True when it passes."""
+    ref, allowed = data["expected_lse"], float(data["allowed_lse"])
+    if not isinstance(lse, mx.array):
+        print(f"FAIL: lse is {type(lse).__name__}, not an mlx.core.array")
+        return False
+    ok = True
+    if lse.dtype != mx.float32:
+        print(f"FAIL: lse dtype {lse.dtype}; the contract: float32")
+        ok = False
+    if tuple(lse.shape) != ref.shape:
+        print(f"FAIL: lse shape {tuple(lse.shape)}; the contract: [B, Hq, L] = {ref.shape}")
+        return False
+    got = np.array(lse.astype(mx.float32), dtype=np.float64)
+    empty = np.isneginf(ref)
+    wrong_empty = int((empty & ~np.isneginf(got)).sum())
+    diff = np.where(empty, 0.0, np.abs(got - np.where(empty, 0.0, ref)))
+    diff[~np.isfinite(diff)] = np.inf
+    err = float(diff.max()) if diff.size else 0.0
+    print(f"lse: max |lse - ref| = {err:.3e}   allowed {allowed:.3e}; empty rows not -inf: {wrong_empty}")
+    if wrong_empty or err > allowed:
+        if err > allowed:
+            worst = np.unravel_index(int(np.argmax(diff)), diff.shape)
+            print(f"lse: worst element [b, h, l] = {tuple(int(i) for i in worst)}: lse {got[worst]:.6g}, "
+                  f"ref {ref[worst]:.6g}")
+        ok = False
+    return ok
+
+
 def match(call, data, query):
     ref, allowed = data["expected"], float(data["allowed"])
+    with_lse = "expected_lse" in data.files
     try:
         out = call()
     except Exception as e:
         print(f"FAIL: the call raised {type(e).__name__}: {e} (the contract computes this input)")
         return 1
+    lse = None
+    if with_lse:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            print(f"FAIL: returned {type(out).__name__}; with return_lse=True the contract returns (out, lse)")
+            return 1
+        out, lse = out
     if not isinstance(out, mx.array):
         print(f"FAIL: returned {type(out).__name__}, not an mlx.core.array")
         return 1
@@ -128,7 +170,7 @@ def match(call, data, query):
         print(f"FAIL: output dtype {out.dtype}; the contract: the query's ({query.dtype})")
         failed = True
     if tuple(out.shape) != ref.shape:
-        print(f"FAIL: output shape {tuple(out.shape)}; the contract: the query's {ref.shape}")
+        print(f"FAIL: output shape {tuple(out.shape)}; the contract: {ref.shape}")
         return 1
     got = np.array(out.astype(mx.float32), dtype=np.float64)
     diff = np.abs(got - ref)
@@ -144,6 +186,8 @@ def match(call, data, query):
               f"ref {ref[worst]:.6g}")
         off = np.unique(np.argwhere(~(diff <= allowed))[:, 0]).tolist()
         print(f"requests off: {off} of {ref.shape[0]}")
+    if with_lse and not match_lse(lse, data):
+        failed = True
     if TWO_CALLS:
         print("note: the check compared two calls; this is its last call against the oracle only")
     print("FAIL: still fails" if failed else "PASS: within the allowance of the float64 oracle")
@@ -172,6 +216,9 @@ def reject(call, spec, declared):
         print(f"PASS: rejected with {type(e).__name__}: {e}")
         return 0
     what = f"an array {out.dtype}{list(out.shape)}" if isinstance(out, mx.array) else type(out).__name__
+    if isinstance(out, tuple):
+        what = "(" + ", ".join(f"{x.dtype}{list(x.shape)}" if isinstance(x, mx.array) else type(x).__name__
+                               for x in out) + ")"
     print(f"FAIL: accepted, returned {what}; the contract rejects this input: {VIOLATION}")
     return 1
 
@@ -186,8 +233,9 @@ def main(argv=None):
 
     def call():
         out = kernel(@@CALL@@)
-        if isinstance(out, mx.array):
-            mx.eval(out)
+        arrays = [x for x in (out if isinstance(out, tuple) else (out,)) if isinstance(x, mx.array)]
+        if arrays:
+            mx.eval(*arrays)
         return out
 
     print(f"kernel: {spec}")

@@ -1,20 +1,26 @@
-"""`paged_attention`: the operator contract of REFERENCE.md section 1 on the CPU kernel.
+"""`paged_attention`: the operator contract of REFERENCE.md sections 1 and 1b on the CPU kernel.
 
 | symbol         | meaning                                              | dtype / shape                  |
 |----------------|------------------------------------------------------|--------------------------------|
-| `query`        | the newest L positions of each request               | f32/f16/bf16 `[B, Hq, L, D]`   |
-| `key_pages`    | the layer's key page pool                            | query's dtype `[P, Hkv, ps, D]`|
-| `value_pages`  | the layer's value page pool                          | query's dtype `[P, Hkv, ps, D]`|
+| `query`        | the newest L positions of each request               | f32/f16/bf16 `[B, Hq, L, Dk]`  |
+| `key_pages`    | the layer's key page pool                            | query's dtype `[P, Hkv, ps, Dk]`|
+| `value_pages`  | the layer's value page pool (Dv may differ from Dk)  | query's dtype `[P, Hkv, ps, Dv]`|
 | `block_table`  | request b, logical page i -> physical page           | int32 `[B, max_pages]`         |
 | `context_lens` | valid positions of request b, the L new ones included| int32 `[B]`                    |
 | `page_size`    | positions per page, equals `key_pages.shape[2]`      | int >= 1                       |
-| `scale`        | score scale                                          | float, default `D ** -0.5`     |
+| `scale`        | score scale                                          | float, default `Dk ** -0.5`    |
 | `mask`         | `"causal"` or None (all `context_lens[b]` keys seen) |                                |
 | `window`       | causal only: a query sees its last `window` keys     | int >= 1 or None               |
-| returns        | attention output                                     | query's dtype `[B, Hq, L, D]`  |
+| `softcap`      | `s = c * tanh(s / c)` on the scaled score            | float > 0 or None              |
+| `alibi_slopes` | `s_j += slope_h * (j - p)` after the cap             | float32 `[Hq]` or None         |
+| `sinks`        | a per-head logit in the softmax denominator only     | float32 `[Hq]` or None         |
+| `return_lse`   | also return `lse = m + ln d` (natural log, sinks in) | bool                           |
+| returns        | attention output (and lse: `-inf` for an empty slot) | query's dtype `[B, Hq, L, Dv]` (, float32 `[B, Hq, L]`) |
 
-Query row l of request b sits at position `context_lens[b] - L + l`; query head h reads
-KV head `h // (Hq // Hkv)`; a row with `context_lens[b] == 0` is an empty slot (zeros).
+Query row l of request b sits at position `p = context_lens[b] - L + l`; query head h
+reads KV head `h // (Hq // Hkv)`; a row with `context_lens[b] == 0` is an empty slot
+(zeros, lse `-inf`). The options are one `ScorePipeline` (contract/pipeline.py) from
+here on: validation and the kernel read that, not loose arguments.
 
 The kernel is CPU-only: both entry points schedule it on the CPU stream whatever MLX's
 default device is (on macOS the GPU), so a caller never reaches `eval_gpu`, which
@@ -26,37 +32,50 @@ from __future__ import annotations
 import mlx.core as mx
 import pagecheck_kernels as _kernels
 
+from contract import ScorePipeline
+
 from .runtime import KERNEL_STREAM
-from .validation import PagedMetadata, check_arrays, check_options
+from .validation import KernelOptions, PagedMetadata, check_arrays, check_pipeline
+
+
+def _run(query, key_pages, value_pages, metadata: PagedMetadata, opts: KernelOptions):
+    out, lse = _kernels.paged_attention(query, key_pages, value_pages, metadata.block_table,
+                                        metadata.context_lens, metadata.page_size, opts.scale, opts.causal,
+                                        opts.window, opts.softcap, opts.alibi_slopes, opts.sinks,
+                                        stream=KERNEL_STREAM)
+    # The kernel always writes the lse beside the output (the same merge makes both);
+    # a caller that did not ask gets the output alone, as in the first contract.
+    return (out, lse) if opts.return_lse else out
 
 
 def paged_attention(query, key_pages, value_pages, block_table, context_lens, page_size, *,
-                    scale=None, mask="causal", window=None) -> mx.array:
+                    scale=None, mask="causal", window=None, softcap=None, alibi_slopes=None, sinks=None,
+                    return_lse=False):
     """Attention of each request's newest L positions over its paged K/V.
 
     Every argument is checked, metadata values included (one host read of
     `block_table` and `context_lens`); on bad input `ContractViolation` is raised and
-    nothing is computed.
+    nothing is computed. Returns the output, or (output, lse) with `return_lse=True`.
     """
+    pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse)
     geom = check_arrays(query, key_pages, value_pages, block_table, context_lens, page_size)
-    scale, causal, window = check_options(geom.head_dim, scale, mask, window)
+    opts = check_pipeline(geom, pipeline)
     meta = PagedMetadata.build(block_table, context_lens, page_size=geom.page_size,
                                num_pages=geom.num_pages, query_len=geom.query_len)
-    return _kernels.paged_attention(query, key_pages, value_pages, meta.block_table, meta.context_lens,
-                                    geom.page_size, scale, causal, window, stream=KERNEL_STREAM)
+    return _run(query, key_pages, value_pages, meta, opts)
 
 
 def paged_attention_with_metadata(query, key_pages, value_pages, metadata: PagedMetadata, *,
-                                  scale=None, mask="causal", window=None) -> mx.array:
+                                  scale=None, mask="causal", window=None, softcap=None, alibi_slopes=None,
+                                  sinks=None, return_lse=False):
     """The serving path: metadata values were checked when `metadata` was built.
 
     Shapes and dtypes are still checked (no host sync), including that the call
     matches the batch, query length and pool the metadata was validated for.
     """
+    pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse)
     geom = check_arrays(query, key_pages, value_pages, metadata.block_table, metadata.context_lens,
                         metadata.page_size)
-    scale, causal, window = check_options(geom.head_dim, scale, mask, window)
+    opts = check_pipeline(geom, pipeline)
     metadata.check_matches(geom)
-    return _kernels.paged_attention(query, key_pages, value_pages, metadata.block_table,
-                                    metadata.context_lens, geom.page_size, scale, causal, window,
-                                    stream=KERNEL_STREAM)
+    return _run(query, key_pages, value_pages, metadata, opts)

@@ -56,6 +56,7 @@ class StepBatch:
         rows = [x.transpose(0, 2, 1, 3).reshape(B * L, x.shape[1], x.shape[3]) for x in (keys, values)]
         self.pool.write(layer, self.slots, *rows)
 
-    def attend(self, layer: int, queries: mx.array, *, scale=None, window=None) -> mx.array:
+    def attend(self, layer: int, queries: mx.array, *, scale=None, window=None, sinks=None) -> mx.array:
         return paged_attention_with_metadata(queries, self.pool.keys(layer), self.pool.values(layer),
-                                             self.metadata, scale=scale, mask="causal", window=window)
+                                             self.metadata, scale=scale, mask="causal", window=window,
+                                             sinks=sinks)

@@ -8,7 +8,8 @@ on it); the message names the offending argument, request or page.
 |---------------------|---------------------------------------------------------------|
 | `type`              | an argument is not an `mlx.core.array` / int / float          |
 | `rank`              | an array has the wrong number of dimensions                   |
-| `shape`             | shapes disagree (batch, head dim, value vs key pool)          |
+| `shape`             | shapes disagree (batch, query vs key head dim)                |
+| `value_shape`       | value pages disagree with key pages outside the head dim (Dv may differ) |
 | `dtype`             | query dtype unsupported, or pools differ from the query       |
 | `metadata_dtype`    | `block_table` / `context_lens` not int32                      |
 | `heads`             | `Hq % Hkv != 0`                                               |
@@ -16,6 +17,11 @@ on it); the message names the offending argument, request or page.
 | `scale`             | scale not a finite number                                     |
 | `mask`              | mask neither `"causal"` nor None                              |
 | `window`            | window < 1, or a window without causal masking                |
+| `softcap`           | soft-cap not a finite float32 number > 0                      |
+| `alibi_slopes`      | ALiBi slopes not a float32 `[Hq]` array                       |
+| `sinks`             | sinks not a float32 `[Hq]` array                              |
+| `lse`               | `return_lse` not True or False                                |
+| `merge`             | `merge_states` inputs of other shapes or dtypes than its contract |
 | `context_negative`  | `context_lens[b] < 0`                                         |
 | `context_short`     | `0 < context_lens[b] < L`                                     |
 | `table_short`       | a request needs more pages than `max_pages`                   |

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from contract import ScorePipeline
+
 from .errors import ContractViolation
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -23,16 +25,17 @@ FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 @dataclass(frozen=True)
 class Geometry:
-    """Sizes read off the arrays: batch, heads, query length, head dim, pool."""
+    """Sizes read off the arrays: batch, heads, query length, head dims, pool."""
 
     batch: int
     q_heads: int
     kv_heads: int
     query_len: int
-    head_dim: int
+    head_dim: int  # Dk: the query's and the key pages'
     num_pages: int
     page_size: int
     max_pages: int
+    value_dim: int  # Dv: the value pages' and the output's
 
 
 def _dtype_name(dtype) -> str:
@@ -64,8 +67,8 @@ def check_arrays(query, key_pages, value_pages, block_table, context_lens, page_
                     ("block_table", block_table), ("context_lens", context_lens)):
         _require_array(name, x)
     _require_rank("query", query, 4, "[B, Hq, L, D]")
-    _require_rank("key_pages", key_pages, 4, "[P, Hkv, page_size, D]")
-    _require_rank("value_pages", value_pages, 4, "[P, Hkv, page_size, D]")
+    _require_rank("key_pages", key_pages, 4, "[P, Hkv, page_size, Dk]")
+    _require_rank("value_pages", value_pages, 4, "[P, Hkv, page_size, Dv]")
     _require_rank("block_table", block_table, 2, "[B, max_pages]")
     _require_rank("context_lens", context_lens, 1, "[B]")
     if query.dtype not in FLOAT_DTYPES:
@@ -77,9 +80,10 @@ def check_arrays(query, key_pages, value_pages, block_table, context_lens, page_
     # Metadata dtypes (int32) are checked where the values are read: PagedMetadata.build.
     B, Hq, L, D = query.shape
     P, Hkv, slots, Dk = key_pages.shape
-    if tuple(value_pages.shape) != tuple(key_pages.shape):
-        raise ContractViolation("shape", f"value_pages shape {tuple(value_pages.shape)} differs from "
-                                         f"key_pages shape {tuple(key_pages.shape)}")
+    if tuple(value_pages.shape[:3]) != tuple(key_pages.shape[:3]) or value_pages.shape[3] < 1:
+        raise ContractViolation("value_shape", f"value_pages shape {tuple(value_pages.shape)} differs from "
+                                f"key_pages shape {tuple(key_pages.shape)} outside the head dim "
+                                f"([P, Hkv, page_size] must agree; only Dv may differ from Dk)")
     if Dk != D or D < 1:
         raise ContractViolation("shape", f"head dim differs: query D={D}, key_pages D={Dk}")
     for name, x in (("block_table", block_table), ("context_lens", context_lens)):
@@ -92,7 +96,7 @@ def check_arrays(query, key_pages, value_pages, block_table, context_lens, page_
         raise ContractViolation("page_size", f"page_size must be >= 1, got {page_size}")
     if page_size != slots:
         raise ContractViolation("page_size", f"page_size={page_size} disagrees with key_pages.shape[2]={slots}")
-    return Geometry(B, Hq, Hkv, L, D, P, page_size, block_table.shape[1])
+    return Geometry(B, Hq, Hkv, L, D, P, page_size, block_table.shape[1], value_pages.shape[3])
 
 
 def check_options(head_dim: int, scale, mask, window) -> tuple[float, bool, int]:
@@ -117,6 +121,57 @@ def check_options(head_dim: int, scale, mask, window) -> tuple[float, bool, int]
     if window > np.iinfo(np.int32).max:
         raise ContractViolation("window", f"window={window} does not fit in int32")
     return scale, causal, window
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """A checked `ScorePipeline` as the kernel takes it: 0 / None mean "off"."""
+
+    scale: float
+    causal: bool
+    window: int  # 0: none
+    softcap: float  # 0: none
+    alibi_slopes: mx.array | None  # float32 [Hq]
+    sinks: mx.array | None  # float32 [Hq]
+    return_lse: bool
+
+
+def _head_vector(name: str, x, q_heads: int) -> mx.array | None:
+    """alibi_slopes / sinks: float32 [Hq]. Values are not read (no host sync): like the
+    query's, they are the caller's data (a sink of -inf is no sink)."""
+    if x is None:
+        return None
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.float32:
+            raise ContractViolation(name, f"{name} must be float32, got {x.dtype}")
+        x = mx.array(x)
+    elif not isinstance(x, mx.array):
+        raise ContractViolation(name, f"{name} must be an mlx.core.array (float32 [Hq]), got {type(x).__name__}")
+    if x.dtype != mx.float32:
+        raise ContractViolation(name, f"{name} must be float32, got {_dtype_name(x.dtype)}")
+    if tuple(x.shape) != (q_heads,):
+        raise ContractViolation(name, f"{name} must have shape [Hq] = ({q_heads},), got {tuple(x.shape)}")
+    return x
+
+
+def check_pipeline(geom: Geometry, pipeline: ScorePipeline) -> KernelOptions:
+    """Every option of the call (contract/pipeline.py) against the contract."""
+    scale, causal, window = check_options(geom.head_dim, pipeline.scale, pipeline.mask, pipeline.window)
+    softcap = pipeline.softcap
+    if softcap is None:
+        softcap = 0.0
+    else:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+            raise ContractViolation("softcap", f"softcap must be a float > 0 or None, got {type(softcap).__name__} "
+                                               f"{softcap!r}")
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and 0.0 < softcap <= np.finfo(np.float32).max):
+            raise ContractViolation("softcap", f"softcap must be a finite float32 value > 0, got {softcap!r}")
+    if not isinstance(pipeline.return_lse, (bool, np.bool_)):
+        raise ContractViolation("lse", f"return_lse must be True or False, got {pipeline.return_lse!r}")
+    return KernelOptions(scale, causal, window, softcap,
+                         _head_vector("alibi_slopes", pipeline.alibi_slopes, geom.q_heads),
+                         _head_vector("sinks", pipeline.sinks, geom.q_heads), bool(pipeline.return_lse))
 
 
 def check_metadata_values(block_table: np.ndarray, context_lens: np.ndarray, *, page_size: int,

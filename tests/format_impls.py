@@ -4,8 +4,12 @@ through `--impl tests.format_impls:NAME`.
 `native_reference(fmt)` is a float64 NumPy kernel that reads its arguments in the native
 format `fmt` declares, by each format's own definition (the accessors below, written
 from the tables in conformance/formats, not through its converters): if the converters
-and these definitions disagree, the catalog fails it. Each BROKEN entry misreads one
-convention the way real adapters do and names the clause the catalog must point at.
+and these definitions disagree, the catalog fails it. It computes contract v2 too
+(soft-cap, ALiBi, sinks, the lse, Dv != Dk) and writes the lse and applies ALiBi in the
+conventions `fmt` declares (`lse_convention`, `empty_lse`, `alibi_convention`, from
+their definitions in conformance/formats/conventions.py's table), so the conversion
+back is checked against what such a kernel really returns. Each BROKEN entry misreads
+one convention the way real adapters do and names the clause the catalog must point at.
 
 | name                       | format                                    | the defect                          | clause |
 |----------------------------|-------------------------------------------|-------------------------------------|--------|
@@ -17,6 +21,10 @@ convention the way real adapters do and names the clause the catalog must point 
 | `flash_left_as_count`      | nhd, padded, padded, flash                | window_size[0] read as the key count | window |
 | `csr_last_as_index`        | hnd, csr, padded, count                   | kv_last_page_len read as the last slot's index | oracle |
 | `varlen_rows_from_start`   | hnd, padded, varlen, count                | packed rows placed at positions 0..n-1 | causal |
+| `v2_nhd_varlen`            | nhd, padded, varlen, count; every v2 feature | none                             | -      |
+| `v2_flashinfer_like`       | hnd, csr, padded, flashinfer; lse base 2, ALiBi before the cap | none           | -      |
+| `v2_fa2_like`              | nhd, padded, padded, flash; empty lse +inf, ALiBi -slope * abs(p - j) | none    | -      |
+| `v2_vllm_like`             | vllm_split, padded, varlen, count; ALiBi at j - ctx + 1 | none                  | -      |
 """
 
 from __future__ import annotations
@@ -82,19 +90,54 @@ def _window(fmt, kw, defect):
     return left if defect == "flash_left_as_count" else left + 1
 
 
-def _attend(q, positions, k, v, scale, causal, window):
-    """float64 attention of rows q `[n, Hq, D]` at `positions` over keys `[ctx, Hkv, D]`."""
+def _bias(fmt, slope, j, p, ctx):
+    """The ALiBi bias of the declared convention, from its definition."""
+    conv = fmt.get("alibi_convention", "position")
+    if conv == "context_end":
+        return slope * (j - ctx + 1)
+    if conv == "abs_distance":
+        return -slope * np.abs(p - j)
+    return slope * (j - p)  # position, bias_before_cap
+
+
+def _lse_written(fmt, lse):
+    """A natural-log lse as a kernel of the declared convention writes it."""
+    return lse / np.log(2.0) if fmt.get("lse_convention", "natural") == "base2" else lse
+
+
+def _empty_lse(fmt):
+    return np.inf if fmt.get("empty_lse", "-inf") == "+inf" else -np.inf
+
+
+def _attend(fmt, q, positions, k, v, kw, defect=None):
+    """float64 attention of rows q `[n, Hq, Dk]` at `positions` over keys `[ctx, Hkv, Dk]`
+    and values `[ctx, Hkv, Dv]`: (out `[n, Hq, Dv]`, lse `[n, Hq]` as the kernel writes it)."""
     n, hq, _ = q.shape
     group = hq // k.shape[1]
     keys = np.arange(len(k))
-    out = np.zeros((n, hq, v.shape[-1]))
+    window, causal, scale = _window(fmt, kw, defect), kw["causal"], kw["scale"]
+    cap = kw.get("softcap")
+    slopes = None if kw.get("alibi_slopes") is None else np.asarray(kw["alibi_slopes"], dtype=np.float64)
+    sinks = None if kw.get("sinks") is None else np.asarray(kw["sinks"], dtype=np.float64)
+    before_cap = fmt.get("alibi_convention") == "bias_before_cap"
+    out, lse = np.zeros((n, hq, v.shape[-1])), np.zeros((n, hq))
     for i, p in enumerate(positions):
         seen = (keys <= p) & (keys > p - window if window else True) if causal else np.ones(len(k), bool)
         for h in range(hq):
             s = k[seen, h // group] @ q[i, h] * scale
-            w = np.exp(s - s.max())
-            out[i, h] = w @ v[seen, h // group] / w.sum()
-    return out
+            bias = 0.0 if slopes is None else _bias(fmt, slopes[h], keys[seen], p, len(k))
+            if before_cap:
+                s = s + bias
+            if cap is not None:
+                s = cap * np.tanh(s / cap)
+            if not before_cap:
+                s = s + bias
+            m = s.max() if sinks is None else max(s.max(), sinks[h])
+            w = np.exp(s - m)
+            d = w.sum() + (0.0 if sinks is None else np.exp(sinks[h] - m))
+            out[i, h] = w @ v[seen, h // group] / d
+            lse[i, h] = _lse_written(fmt, m + np.log(d))
+    return out, lse
 
 
 def native_reference(defect: str | None = None, **fmt):
@@ -103,25 +146,39 @@ def native_reference(defect: str | None = None, **fmt):
     fmt = {"layout": "hnd", "page_table": "padded", "query_packing": "padded", "window_convention": "count", **fmt}
 
     def kernel(**kw):
-        window = _window(fmt, kw, defect)
-        outs = []
+        outs, lses = [], []
+        hq = kw["query"].shape[1]  # [B, Hq, L, Dk] or [T, Hq, Dk]
         for b, (pages, ctx) in enumerate(_requests(fmt, kw, defect)):
             pos = np.arange(ctx)
-            k, v = _rows(fmt["layout"], kw, np.asarray(pages)[pos // kw["page_size"]], pos % kw["page_size"])
+            k, v = _rows(fmt["layout"], kw, np.asarray(pages, dtype=np.int64)[pos // kw["page_size"]],
+                         pos % kw["page_size"])
             q, positions = _queries(fmt, kw, b, ctx, defect)
-            o = _attend(q, positions, k, v, kw["scale"], kw["causal"], window) if ctx else np.zeros(
-                (len(q),) + q.shape[1:2] + (kw["query"].shape[-1],))
+            if ctx:
+                o, lse = _attend(fmt, q, positions, k, v, kw, defect)
+            else:  # an empty slot: zeros, and the empty lse of the convention
+                o, lse = np.zeros((len(q), hq, v.shape[-1])), np.full((len(q), hq), _empty_lse(fmt))
             outs.append(o)
+            lses.append(lse)
+        dv = _rows(fmt["layout"], kw, np.zeros(0, np.int64), np.zeros(0, np.int64))[1].shape[-1]
         if fmt["query_packing"] == "varlen":
-            return np.concatenate(outs) if outs else np.zeros((0,) + kw["query"].shape[1:])
-        return np.stack([o.swapaxes(0, 1) for o in outs]) if outs else np.zeros(kw["query"].shape)
+            out = np.concatenate(outs) if outs else np.zeros((0, hq, dv))
+            lse = np.concatenate(lses) if lses else np.zeros((0, hq))
+        else:
+            B, _, L, _ = kw["query"].shape
+            out = np.stack([o.swapaxes(0, 1) for o in outs]) if outs else np.zeros((B, hq, L, dv))
+            lse = np.stack([x.swapaxes(0, 1) for x in lses]) if lses else np.zeros((B, hq, L))
+        return (out, lse) if kw.get("return_lse") else out
 
     return kernel
 
 
+FORMAT_AND_CONVENTION_KEYS = ("layout", "page_table", "query_packing", "window_convention", "lse_convention",
+                              "empty_lse", "alibi_convention")
+V2 = dict(softcap=True, alibi=True, sinks=True, lse=True, value_head_dim=True)
+
+
 def _impl(defect=None, breaks=None, **fmt_and_caps):
-    fmt = {k: fmt_and_caps.pop(k) for k in ("layout", "page_table", "query_packing", "window_convention")
-           if k in fmt_and_caps}
+    fmt = {k: fmt_and_caps.pop(k) for k in FORMAT_AND_CONVENTION_KEYS if k in fmt_and_caps}
     fn = from_numpy(native_reference(defect, **fmt), validates_input=False, **fmt, **fmt_and_caps)
     if breaks:
         fn.breaks = breaks
@@ -134,6 +191,14 @@ kv_nhd_csr = _impl(layout="kv_nhd", page_table="csr")
 kv_last_varlen = _impl(layout="kv_last", query_packing="varlen")
 vllm_split_varlen_f16 = _impl(layout="vllm_split", query_packing="varlen", dtypes=["float16", "bfloat16"])
 CORRECT = ("nhd_csr_varlen_flash", "kv_hnd_flashinfer", "kv_nhd_csr", "kv_last_varlen", "vllm_split_varlen_f16")
+# contract v2 in native formats and the conventions of the systems they resemble
+v2_nhd_varlen = _impl(layout="nhd", query_packing="varlen", **V2)
+v2_flashinfer_like = _impl(page_table="csr", window_convention="flashinfer", lse_convention="base2",
+                           alibi_convention="bias_before_cap", **V2)
+v2_fa2_like = _impl(layout="nhd", window_convention="flash", empty_lse="+inf", alibi_convention="abs_distance", **V2)
+v2_vllm_like = _impl(layout="vllm_split", query_packing="varlen", alibi_convention="context_end",
+                     dtypes=["float16", "bfloat16"], **V2)
+CORRECT_V2 = ("v2_nhd_varlen", "v2_flashinfer_like", "v2_fa2_like", "v2_vllm_like")
 
 flash_left_as_count = _impl("flash_left_as_count", "window", layout="nhd", window_convention="flash")
 csr_last_as_index = _impl("csr_last_as_index", "oracle", page_table="csr")

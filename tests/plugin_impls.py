@@ -9,7 +9,9 @@ something the catalog knows about: it sees only a callable.
 `float64_oracle_narrow`, `builtin_narrow`, `builtin_decode_only` and
 `builtin_huge_extra_memory` (tests/test_declarations.py) are correct kernels with
 narrow or demanding declarations: what they rule out must be skipped with the reason,
-never drawn and filtered, never failed.
+never drawn and filtered, never failed. `float64_oracle` declares none of contract v2
+(each v2 check skipped with the reason); `float64_oracle_v2` is the same oracle
+declaring all of it.
 
 | name                        | the defect                                           | clause it breaks |
 |-----------------------------|------------------------------------------------------|------------------|
@@ -22,6 +24,8 @@ never drawn and filtered, never failed.
 | `page_ids_clamped`          | out-of-pool page ids clamped instead of rejected      | reject.page_id   |
 | `asserts_on_bad_input`      | bad input raises AssertionError, not a contract error | inv10            |
 | `batch_dependent_bits`      | declares bitwise_batch, but bits depend on the batch  | inv6             |
+| `sinks_ignored`             | declares sinks, drops the sink from the softmax (the float64 oracle otherwise) | sinks |
+| `lse_base2_undeclared`      | returns a base-2 lse without declaring lse_convention="base2" | lse       |
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ float64_oracle_decode_f32 = from_numpy(attention_f64, validates_input=False, dty
 NARROW = {"dtypes": ["float32", "float16"], "head_dims": [32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256],
           "block_multiple": 16}
 float64_oracle_narrow = from_numpy(attention_f64, validates_input=False, bitwise_batch=True, **NARROW)
+# ... declaring every contract-v2 feature (REFERENCE.md 1b), which it computes
+V2 = dict(softcap=True, alibi=True, sinks=True, lse=True, value_head_dim=True)
+float64_oracle_v2 = from_numpy(attention_f64, validates_input=False, bitwise_batch=True, **V2)
 
 
 def bad_capabilities(*args, **kwargs):
@@ -148,5 +155,23 @@ def batch_dependent_bits(query, *args, **kw):
     ulp = {mx.float32: 2.0 ** -23, mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}[out.dtype]
     return (out.astype(mx.float32) * (1 + ulp)).astype(out.dtype)
 
+
+# contract v2 (REFERENCE.md 1b), on the float64 oracle: it computes every feature
+
+def _sinks_ignored(*args, sinks=None, **kw):
+    return attention_f64(*args, **kw)
+
+
+def _lse_base2(*args, **kw):
+    result = attention_f64(*args, **kw)
+    if isinstance(result, tuple):  # FlashInfer's log2-sum-exp, undeclared
+        return result[0], result[1] / np.log(2.0)
+    return result
+
+
+sinks_ignored = from_numpy(_sinks_ignored, validates_input=False, **V2)
+sinks_ignored.breaks = "sinks"
+lse_base2_undeclared = from_numpy(_lse_base2, validates_input=False, **V2)
+lse_base2_undeclared.breaks = "lse"
 
 BROKEN = {name: fn.breaks for name, fn in globals().items() if callable(fn) and hasattr(fn, "breaks")}

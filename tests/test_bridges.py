@@ -4,6 +4,11 @@ The torch bridge hands the kernel tensors in the query's own dtype and brings th
 back bit for bit; the kernel's exceptions pass through as its own. Each native-format
 kernel of tests/format_impls.py (and the torch one) passes the operator catalog through
 its converters, unchanged; each kernel that misreads a convention fails at its clause.
+Contract v2 crosses the bridges too: the slopes and sinks go in as the framework's arrays,
+`(out, lse)` comes back converted (lse float32 `[B, Hq, L]`, from packed queries too), and
+a torch kernel computing sinks and the lse (tests/torch_impls.py) matches the float64
+oracle and passes the v2 hand fixtures; the v2 native kernels of tests/format_impls.py
+(FlashInfer-, FlashAttention-2- and vLLM-like conventions) pass the catalog.
 """
 
 from __future__ import annotations
@@ -150,7 +155,7 @@ def test_load_converts_an_mlx_kernel_that_declares_a_format(monkeypatch):
     assert from_mlx(kernel).pagecheck_contract_form
 
 
-@pytest.mark.parametrize("name", format_impls.CORRECT)
+@pytest.mark.parametrize("name", format_impls.CORRECT + format_impls.CORRECT_V2)
 def test_native_format_kernel_passes_the_catalog(name, tmp_path):
     proc, record = run_catalog(f"tests.format_impls:{name}", tmp_path, CATALOG)
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -158,6 +163,11 @@ def test_native_format_kernel_passes_the_catalog(name, tmp_path):
     assert {"tests/test_hand_fixtures.py", "tests/test_differential.py"} <= ran, ran
     varlen = getattr(format_impls, name).pagecheck_capabilities.get("query_packing") == "varlen"
     assert ("tests/test_mixed_lengths.py" in ran) == varlen
+    if name in format_impls.CORRECT_V2:  # contract v2 ran through its conversions, none skipped for lack of it
+        assert all(f["declared"] and not f["skipped"] for f in record["features"].values()), record["features"]
+        v2 = [c for c in record["checks"]
+              if c["outcome"] == "passed" and {"sinks", "lse", "softcap"} & set(c["clauses"])]
+        assert v2, "no contract-v2 check ran"
 
 
 @pytest.mark.parametrize("name", sorted(format_impls.BROKEN))
@@ -174,3 +184,127 @@ def test_torch_kernel_passes_the_catalog(torch, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert record["capabilities"]["framework"] == "torch"
     assert record["counts"]["passed"] >= 100, record["counts"]
+
+
+# -- contract v2 through the bridges -------------------------------------------------------
+
+SLOPES = [0.5, 0.25, -0.125, 1.0]
+SINKS = [0.5, -1.0, 3.0, -20.0]
+
+
+def _v2_case(dtype="float32", value_dim=None, **options):
+    case = _case(dtype)
+    if value_dim:
+        case = case.with_(value_pages=case.value_pages[..., :value_dim])
+    return case.with_(**options)
+
+
+def _against_float64(case, out, lse):
+    from oracles import float64
+
+    ref, ref_lse = float64(*case.args(), **case.kwargs())
+    unit = {mx.float32: 2.0 ** -24, mx.float16: 2.0 ** -11, mx.bfloat16: 2.0 ** -8}[case.dtype]
+    got = np.array(out.astype(mx.float32), dtype=np.float64)
+    assert out.dtype == case.dtype and got.shape == ref.shape
+    assert np.abs(got - ref).max() <= 2 * unit * np.abs(ref).max() + 1e-7, np.abs(got - ref).max()
+    assert lse.dtype == mx.float32 and lse.shape == ref_lse.shape == case.query.shape[:3]
+    lse = np.array(lse, dtype=np.float64)
+    empty = np.isneginf(ref_lse)
+    assert np.isneginf(lse[empty]).all() and empty[1].all()  # the empty slot
+    assert np.abs(lse[~empty] - ref_lse[~empty]).max() <= 1e-6 * max(1.0, np.abs(ref_lse[~empty]).max())
+
+
+@pytest.mark.parametrize("dtype,value_dim", [("float32", None), ("bfloat16", None), ("float16", 5)])
+def test_torch_kernel_computes_sinks_and_lse_through_from_torch(dtype, value_dim, torch):
+    from tests import torch_impls
+
+    case = _v2_case(dtype, value_dim, sinks=mx.array(SINKS), return_lse=True, softcap=3.0,
+                    alibi_slopes=mx.array(SLOPES))
+    out, lse = case.run(torch_impls.v2_reference)
+    _against_float64(case, out, lse)
+    out, lse = case.run(torch_impls.v2_sinks_ignored)  # the check can fail: a sink dropped moves both
+    with pytest.raises(AssertionError):
+        _against_float64(case, out, lse)
+
+
+def test_torch_bridge_hands_the_v2_arrays_as_tensors(torch):
+    from conformance.bridges import from_torch
+
+    seen = {}
+
+    def kernel(query, key_pages, value_pages, block_table, context_lens, page_size, **options):
+        seen.update({k: (type(v), v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else v
+                     for k, v in options.items()})
+        out = torch.zeros(query.shape[:3] + value_pages.shape[-1:], dtype=query.dtype)
+        return (out, torch.zeros(query.shape[:3])) if options.get("return_lse") else out
+
+    fn = from_torch(kernel, sinks=True, lse=True, alibi=True)
+    case = _v2_case("bfloat16", sinks=mx.array(SINKS), alibi_slopes=np.array(SLOPES, dtype=np.float32),
+                    return_lse=True)
+    out, lse = case.run(fn)
+    assert seen["sinks"] == (torch.Tensor, torch.float32, (4,))
+    assert seen["alibi_slopes"] == (torch.Tensor, torch.float32, (4,))  # a NumPy one given: a tensor too
+    assert seen["return_lse"] is True and "softcap" not in seen  # v2 keywords only when set
+    assert out.dtype == mx.bfloat16 and lse.dtype == mx.float32 and lse.shape == (3, 4, 2)
+    seen.clear()
+    assert isinstance(_case().run(fn), mx.array) and seen == {"scale": None, "mask": "causal", "window": None}
+
+
+def test_torch_lse_comes_back_in_its_own_dtype_unless_widened(torch):
+    from conformance.bridges import from_torch
+
+    def kernel(query, key_pages, value_pages, block_table, context_lens, page_size, **options):
+        return torch.zeros_like(query), torch.zeros(query.shape[:3], dtype=torch.bfloat16)
+
+    case = _v2_case("float16", return_lse=True)
+    assert case.run(from_torch(kernel))[1].dtype == mx.bfloat16  # a wrong lse dtype fails the check
+    widened = case.run(from_torch(kernel, widens_to="float32"))
+    assert widened[0].dtype == mx.float16 and widened[1].dtype == mx.float32
+    with pytest.raises(TypeError, match="lse of type ndarray"):
+        case.run(from_torch(lambda *a, **k: (torch.zeros(1), np.zeros(1))))
+
+
+def test_numpy_bridge_brings_the_lse_back_as_float32():
+    def kernel(query, key_pages, value_pages, block_table, context_lens, page_size, **options):
+        assert isinstance(options["sinks"], np.ndarray) and options["sinks"].dtype == np.float32
+        return np.zeros(query.shape), np.zeros(query.shape[:3])
+
+    case = _v2_case("bfloat16", sinks=mx.array(SINKS), return_lse=True)
+    out, lse = case.run(from_numpy(kernel, sinks=True, lse=True))
+    assert out.dtype == mx.bfloat16 and lse.dtype == mx.float32 and lse.shape == (3, 4, 2)
+    with pytest.raises(TypeError, match="lse of type list"):
+        case.run(from_numpy(lambda *a, **k: (np.zeros(1), [0.0])))
+
+
+def test_varlen_lse_comes_back_padded_with_minus_inf(torch):
+    """A native varlen kernel returns lse [T, Hq]; the contract gets [B, Hq, L], -inf
+    where a request has no packed row (the empty slot)."""
+    from tests import torch_impls
+
+    case = _v2_case("float32", 6, sinks=mx.array(SINKS), alibi_slopes=mx.array(SLOPES), return_lse=True)
+    seen = {}
+
+    def spy(**kw):
+        seen.update(query=tuple(kw["query"].shape))
+        return torch_impls._nhd_varlen_flash(**kw)
+
+    from conformance.bridges import from_torch
+
+    out, lse = case.run(from_torch(spy, validates_input=False, **torch_impls.FORMAT, sinks=True, alibi=True,
+                                   lse=True, value_head_dim=True))
+    assert seen["query"] == (4, 4, 8)  # two requests of L = 2 packed; the empty slot has none
+    _against_float64(case, out, lse)
+
+
+@pytest.mark.parametrize("name", ["v2_reference", "nhd_varlen_flash"])
+def test_torch_v2_kernel_passes_the_v2_hand_fixtures(name, torch, tmp_path):
+    """The hand fixtures of contract v2 through a torch kernel declaring it (child pytest)."""
+    impl = f"tests.torch_impls:{name}"
+    if name == "nhd_varlen_flash":
+        impl = "tests.torch_impls:nhd_varlen_flash_v2"
+    proc, record = run_catalog(impl, tmp_path, ["tests/test_hand_fixtures.py::test_hand_fixture",
+                                                "-k", "lse or sink or softcap or alibi or value_dim"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    passed = [c for c in record["checks"] if c["outcome"] == "passed"]
+    assert len(passed) >= 10, record["counts"]
+    assert all(record["features"][f]["declared"] for f in record["features"])

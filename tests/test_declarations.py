@@ -10,6 +10,7 @@
 | a check ruled out everywhere              | exactly one skip with the reason (child pytest)        |
 | fixtures/memory.py                        | MemAvailable parsed in bytes, sysconf fallbacks, the comparison, the need |
 | a kernel declaring a huge `extra_memory`  | the 2^31-offset fixture skipped with the memory reason, its 4 GiB pool never built (child pytest) |
+| an undeclared contract-v2 feature         | each call using it (soft-cap, ALiBi, sinks, lse, Dv != Dk) skipped with `FEATURE (declare FEATURE=True in pagecheck_capabilities)`, directly, through `require_case`, for packed calls and in the catalog (child pytest, the report's per-feature counts) |
 
 The child runs use `run_catalog` of tests/test_plugin.py (a user's `pytest --impl`).
 """
@@ -19,11 +20,14 @@ from __future__ import annotations
 import resource
 import sys
 
+import mlx.core as mx
 import pytest
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
-from conformance import Capabilities
+from conformance import Capabilities, load
+from conformance.capabilities import FEATURE_KEYS, features_in
+from contract import ScorePipeline
 from fixtures import memory, paged_case
 from fixtures.memory import GiB, need_bytes, pool_bytes, shortfall
 from fixtures.strategies import REJECTION_NEEDS, applicable, layouts, ruled_out
@@ -46,8 +50,10 @@ def _caps(name: str) -> Capabilities:
 
 
 def _outside(caps: Capabilities, layout: dict) -> str | None:
+    case = paged_case(**layout)  # the call's score pipeline and value pool, as the check makes them
     return caps.unsupported(dtype=layout["dtype"], head_dim=layout["head_dim"], page_size=layout["page_size"],
-                            query_len=layout["query_len"], mask=layout["mask"], window=layout["window"])
+                            query_len=layout["query_len"], pipeline=case.pipeline,
+                            value_head_dim=case.value_pages.shape[-1])
 
 
 # -- layouts(caps) -----------------------------------------------------------------------
@@ -231,3 +237,128 @@ def test_a_fixture_that_cannot_fit_is_skipped_before_it_is_built(tmp_path):
     after = _peak_child_rss()
     # the pool is 4 GiB: a child that built it would have raised the peak past 4 GiB
     assert after == before or after < 4 * GiB, f"the child peaked at {after / GiB:.1f} GiB"
+
+
+# -- contract v2: an undeclared feature is a skip with the reason, never a failure ------
+
+V2_CALLS = {  # feature -> what a call using it changes
+    "softcap": dict(softcap=30.0),
+    "alibi": dict(alibi_slopes=mx.array([0.5, 0.25, 0.125, 0.0625])),
+    "sinks": dict(sinks=mx.array([0.0, 1.0, -1.0, 2.0])),
+    "lse": dict(return_lse=True),
+}
+
+
+def _v2_case(feature: str):
+    case = paged_case(context_lens=[9, 0, 6], query_len=2, q_heads=4, kv_heads=2, head_dim=8, page_size=4, seed=5)
+    if feature == "value_head_dim":
+        return case.with_(value_pages=case.value_pages[..., :5])  # Dv = 5 != Dk = 8
+    return case.with_(**V2_CALLS[feature])
+
+
+def _skip_reason(fn, *args, **kwargs) -> str:
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        fn(*args, **kwargs)
+    return skipped.value.msg
+
+
+@pytest.mark.parametrize("feature", FEATURE_KEYS)
+def test_an_undeclared_v2_feature_is_skipped_with_the_reason(feature):
+    impl = load("tests.plugin_impls:float64_oracle")  # declares none of contract v2
+    case = _v2_case(feature)
+    detail = "Dv = 5 != Dk = 8; " if feature == "value_head_dim" else ""
+    want = (f"not declared by tests.plugin_impls:float64_oracle: {feature} ({detail}declare {feature}=True "
+            f"in pagecheck_capabilities)")
+    assert _skip_reason(case.run, impl) == want
+    assert _skip_reason(impl.require_case, case) == want  # checks calling attention.fn directly
+    assert not impl.supports(case)
+    assert features_in(want) == (feature,)
+    assert _skip_reason(impl.require, feature) == (f"not declared by tests.plugin_impls:float64_oracle: {feature} "
+                                                   f"(declare {feature}=True in pagecheck_capabilities)")
+    # declared: the same call runs (the float64 oracle computes all of contract v2)
+    declared = load("tests.plugin_impls:float64_oracle_v2")
+    assert declared.supports(case) and declared.caps.features() == FEATURE_KEYS
+    result = case.run(declared)
+    assert isinstance(result, tuple) == (feature == "lse")
+
+
+def test_a_call_lacking_several_features_names_each():
+    caps = Capabilities.declared({"softcap": True})
+    pipeline = ScorePipeline(softcap=1.0, sinks=mx.zeros(4), alibi_slopes=mx.zeros(4), return_lse=True)
+    reason = caps.unsupported(dtype="float32", head_dim=8, page_size=4, query_len=1, pipeline=pipeline,
+                              value_head_dim=4)
+    assert reason == ("alibi, sinks, lse, value_head_dim (Dv = 4 != Dk = 8; declare alibi=True, sinks=True, "
+                      "lse=True, value_head_dim=True in pagecheck_capabilities)")
+    assert features_in(reason) == ("alibi", "sinks", "lse", "value_head_dim")
+    assert features_in("dtype bfloat16 (declared dtypes: float32)") == ()
+    # shape rules come first; Dv == Dk is no feature
+    assert caps.unsupported(dtype="float32", head_dim=8, page_size=4, query_len=1, pipeline=ScorePipeline(),
+                            value_head_dim=8) is None
+    narrow = Capabilities.declared({"dtypes": ["float32"]})
+    assert narrow.unsupported(dtype="bfloat16", head_dim=8, page_size=4, query_len=1,
+                              pipeline=pipeline).startswith("dtype bfloat16")
+
+
+def test_an_unknown_keyword_is_the_kernels_error_not_a_skip():
+    impl = load("tests.plugin_impls:float64_oracle")
+    case = _v2_case("lse")
+    assert impl.unsupported(*case.args(), logits_soft_cap=30.0) is None  # the call itself raises TypeError
+    with pytest.raises(TypeError, match="logits_soft_cap"):
+        impl(*case.args(), logits_soft_cap=30.0)
+
+
+def test_builtin_declares_all_of_contract_v2():
+    assert load(None).caps.features() == FEATURE_KEYS
+    assert Capabilities.declared(None).features() == ()
+    assert Capabilities.declared({"sinks": True, "lse": True}).features() == ("sinks", "lse")
+
+
+def test_mixed_lengths_with_an_undeclared_feature_are_skipped():
+    import dataclasses
+
+    from fixtures.mixed import mixed_case
+
+    impl = load("tests.format_impls:kv_last_varlen")  # varlen, no v2 feature declared
+    mixed = mixed_case(context_lens=[9, 14], query_lens=[1, 5], q_heads=4, kv_heads=2, head_dim=8, page_size=4)
+    with_sinks = dataclasses.replace(mixed, base=mixed.base.with_(sinks=mx.zeros(4)))
+    assert _skip_reason(impl.packed, with_sinks).endswith("sinks (declare sinks=True in pagecheck_capabilities)")
+    assert impl.packed(mixed).shape == mixed.query.shape
+
+
+def test_an_undeclared_kernel_gets_each_v2_hand_fixture_skipped_with_the_reason(tmp_path):
+    """The catalog on the float64 oracle declaring nothing of contract v2 (a child pytest):
+    every hand fixture using a v2 feature is a skip naming it, none fails, and the report
+    counts the skips per feature."""
+    from fixtures.hand import hand_case, hand_names
+
+    uses = {}
+    for name in hand_names():
+        case = hand_case(name)
+        used = set(case.pipeline.features())
+        if case.value_pages.shape[-1] != case.key_pages.shape[-1]:
+            used.add("value_head_dim")
+        if used:
+            uses[name] = used
+    assert uses, "the hand catalog has no contract-v2 fixture"
+    proc, record = run_catalog("tests.plugin_impls:float64_oracle", tmp_path,
+                               ["tests/test_hand_fixtures.py::test_hand_fixture"])
+    checks = {c["id"]: c for c in record["checks"]}
+    for name, used in uses.items():
+        check = checks[f"tests/test_hand_fixtures.py::test_hand_fixture[{name}]"]
+        assert check["outcome"] == "skipped", check
+        assert check["message"].startswith("not declared by tests.plugin_impls:float64_oracle: ")
+        assert set(features_in(check["message"])) == used, (name, check["message"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for feature in FEATURE_KEYS:
+        assert record["features"][feature] == {"declared": False,
+                                               "skipped": sum(feature in u for u in uses.values())}
+    md = (tmp_path / "conformance.md").read_text()
+    assert "## Contract v2 features" in md and "contract v2 features declared: none" in md
+
+
+def test_a_malformed_head_dim_is_a_rejection_not_a_value_head_dim_skip():
+    impl = load("tests.plugin_impls:float64_oracle")
+    case = _v2_case("value_head_dim")
+    assert not impl.supports(case)
+    short_query = case.with_(query=case.query[..., :4], value_pages=case.key_pages)  # query D 4, Dk = Dv = 8
+    assert impl.unsupported(*short_query.args(), **short_query.kwargs()) is None

@@ -169,3 +169,48 @@ def test_a_format_key_switches_to_the_native_call():
     for key, value in (("layout", "hnd"), ("page_table", "padded"), ("query_packing", "padded"),
                        ("window_convention", "count")):
         assert Capabilities.declared({key: value}).native_call
+
+
+# -- contract v2: Dv != Dk, the v2 keywords ------------------------------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_values_of_another_head_dim_keep_their_place_or_have_no_image(layout):
+    """Dv != Dk: the separate-pool layouts carry V of any head dim, element for element;
+    a layout holding K and V in one tensor cannot (NotExpressible)."""
+    case = _pools("float32", D=16)
+    values = case.value_pages[..., :8]  # Dv = 8, Dk = 16
+    wide = case.with_(value_pages=values)
+    caps = Capabilities.declared({"layout": layout})
+    if layout in formats.STACKED:
+        with pytest.raises(NotExpressible, match="Dk = 16 != Dv = 8"):
+            formats.native(caps, *wide.args(), **wide.kwargs())
+        return
+    call = formats.native(caps, *wide.args(), **wide.kwargs())
+    P, hkv, ps, _ = case.key_pages.shape
+    host = {k: np.array(v) for k, v in call.kwargs.items() if k in ("key_cache", "value_cache")}
+    pages, slots = np.repeat(np.arange(P), ps), np.tile(np.arange(ps), P)
+    k, v = _rows(layout, host, pages, slots)
+    np.testing.assert_array_equal(v, np.array(values).transpose(0, 2, 1, 3).reshape(P * ps, hkv, 8))
+    assert k.shape[-1] == 16
+    back_k, back_v = kv.unpack(layout, {n: call.kwargs[n] for n in ("key_cache", "value_cache")})
+    assert bits(back_v) == bits(values) and bits(back_k) == bits(case.key_pages)
+
+
+def test_native_call_gets_the_v2_keywords_only_when_set():
+    case = _pools()
+    caps = Capabilities.declared({"layout": "nhd", "query_packing": "varlen"})
+    plain = formats.native(caps, *case.args(), **case.kwargs())
+    assert not {"softcap", "alibi_slopes", "sinks", "return_lse"} & set(plain.kwargs)
+    slopes, sinks = mx.array([0.5, 0.25, 0.125, 1.0]), mx.zeros(4)
+    v2 = case.with_(softcap=30.0, alibi_slopes=slopes, sinks=sinks, return_lse=True)
+    call = formats.native(caps, *v2.args(), **v2.kwargs())
+    assert call.kwargs["softcap"] == 30.0 and call.kwargs["return_lse"] is True
+    assert call.kwargs["alibi_slopes"] is slopes and call.kwargs["sinks"] is sinks
+    # the result (out [T, Hq, Dv], lse [T, Hq]) comes back padded: zeros / -inf for the empty slot
+    T = call.kwargs["query"].shape[0]
+    out, lse = call.output((mx.ones((T, 4, 16)), mx.zeros((T, 4))))
+    assert out.shape == (3, 4, 3, 16) and lse.shape == (3, 4, 3) and lse.dtype == mx.float32
+    assert not np.array(out[1]).any() and np.isneginf(np.array(lse[1])).all()
+    assert not np.array(lse[0]).any() and not np.array(lse[2]).any()
+    with pytest.raises(TypeError, match="logits_soft_cap"):
+        formats.native(caps, *case.args(), logits_soft_cap=30.0)

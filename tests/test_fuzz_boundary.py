@@ -256,8 +256,8 @@ def _raw(call: Call, lens=None):
     scale = call.kwargs["scale"]
     scale = D ** -0.5 if scale is None else scale
     window = call.kwargs["window"] or 0
-    out = pagecheck_kernels.paged_attention(q, kp, vp, bt, cl if lens is None else lens, ps, scale,
-                                            call.kwargs["mask"] is not None, window)
+    out, _ = pagecheck_kernels.paged_attention(q, kp, vp, bt, cl if lens is None else lens, ps, scale,
+                                               call.kwargs["mask"] is not None, window)
     mx.eval(out)
     return out
 

@@ -41,8 +41,8 @@ REJECTIONS = {
     "table-not-array": "block_table must be an mlx.core.array, got ndarray",
     "lens-not-array": "context_lens must be an mlx.core.array, got list",
     "query-rank": "query must be 4-D [B, Hq, L, D]; got shape (4, 3, 8)",
-    "pool-rank": "key_pages must be 4-D [P, Hkv, page_size, D]; got shape (2, 4, 8)",
-    "values-rank": "value_pages must be 4-D [P, Hkv, page_size, D]; got shape (2, 4, 8)",
+    "pool-rank": "key_pages must be 4-D [P, Hkv, page_size, Dk]; got shape (2, 4, 8)",
+    "values-rank": "value_pages must be 4-D [P, Hkv, page_size, Dv]; got shape (2, 4, 8)",
     "table-rank": "block_table must be 2-D [B, max_pages]; got shape (3,)",
     "lens-rank": "context_lens must be 1-D [B]; got shape (1, 2)",
     "query-int": "query dtype int32 is not supported (float32, float16, bfloat16)",
@@ -51,7 +51,8 @@ REJECTIONS = {
     "values-dtype": "value_pages dtype bfloat16 differs from query dtype float32",
     "table-int64": "block_table must be int32, got int64",
     "lens-uint32": "context_lens must be int32, got uint32",
-    "values-shape": "value_pages shape (7, 2, 2, 8) differs from key_pages shape (7, 2, 4, 8)",
+    "values-shape": "value_pages shape (7, 2, 2, 8) differs from key_pages shape (7, 2, 4, 8) outside the head dim "
+                    "([P, Hkv, page_size] must agree; only Dv may differ from Dk)",
     "head-dim": "head dim differs: query D=4, key_pages D=8",
     "table-rows": "block_table has 1 rows but query has B=2 requests",
     "lens-rows": "context_lens has 3 rows but query has B=2 requests",
@@ -149,7 +150,7 @@ def test_metadata_is_a_frozen_snapshot_of_what_was_checked():
 
 def test_check_arrays_reads_the_whole_geometry():
     assert check_arrays(*_base().args()) == Geometry(batch=2, q_heads=4, kv_heads=2, query_len=3, head_dim=8,
-                                                     num_pages=7, page_size=4, max_pages=3)
+                                                     num_pages=7, page_size=4, max_pages=3, value_dim=8)
 
 
 def test_check_options_accepts_the_largest_values():

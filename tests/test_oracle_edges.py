@@ -13,6 +13,11 @@ implementation and through each oracle in turn (equation, dense, sdpa, float64, 
 * each MLX oracle is within the tolerance rule of the float64 oracle, and the
   implementation's output within the rule plus that oracle's own error of it, exactly as
   `oracles.compare` judges (which must itself run and find nothing).
+
+The same cases with contract-v2 options (sinks, ALiBi, soft-cap, LSE) run through each
+oracle alone (the implementation's v2 catalog is elsewhere): each answers, an empty row
+gives zeros and LSE -inf with its sink ignored, and MLX SDPA either answers within the
+rule or says `NotApplicable` (soft-cap, LSE).
 """
 
 import mlx.core as mx
@@ -21,8 +26,9 @@ import pytest
 
 import oracles
 from fixtures import edge_case, edge_names, to_numpy
+from oracles import NotApplicable
 from oracles.compare import compare, reference
-from oracles.tolerance import max_abs_error
+from oracles.tolerance import lse_error, max_abs_error
 
 pytestmark = pytest.mark.correctness
 
@@ -75,3 +81,46 @@ def test_valid_edge_input_runs_through_the_oracle(name, oracle, attention, error
     assert own <= allowed, f"oracle {oracle} vs float64: {own:.3e} > allowed {allowed:.3e}"
     err = max_abs_error(out, got)
     assert err <= allowed + own, f"{attention.name} vs oracle {oracle}: {err:.3e} > {allowed + own:.3e}"
+
+
+# contract-v2 options for the edge cases (Hq = 4): sinks and slopes exact in every dtype
+V2_OPTIONS = {
+    "sinks-alibi": dict(sinks=[0.5, -1.0, 2.0, 0.25], alibi_slopes=[0.5, 0.25, 0.125, 0.0625]),
+    "softcap-sinks-lse": dict(softcap=1.5, sinks=[0.5, -1.0, 2.0, 0.25], return_lse=True),
+}
+
+
+def _v2(case, options: str):
+    return case.with_(**{k: mx.array(np.array(v, dtype=np.float32)) if isinstance(v, list) else v
+                         for k, v in V2_OPTIONS[options].items()})
+
+
+@pytest.mark.clause("empty_row", "inv9", "oracle", "sinks", "lse")
+@pytest.mark.parametrize("oracle", [*ORACLES, "compare"])
+@pytest.mark.parametrize("options", list(V2_OPTIONS))
+@pytest.mark.parametrize("name", edge_names())
+def test_valid_edge_input_with_v2_options_runs_through_the_oracle(name, options, oracle):
+    case = _v2(edge_case(name), options)
+    if oracle == "compare":  # the equation oracle's answer, judged by all four
+        result = compare(case.run(oracles.MLX_ORACLES["equation"]), case.args(), case.kwargs())
+        assert not result.failures(), result.failures()
+        assert ("sdpa" in result.not_applicable) == (case.softcap is not None)
+        return
+    if oracle == "sdpa" and (case.softcap is not None or case.return_lse):
+        with pytest.raises(NotApplicable):
+            case.run(ORACLES[oracle])
+        return
+    got = case.run(ORACLES[oracle])
+    ref, allowed = reference(case.args(), case.kwargs())
+    (ref, ref_lse), (allowed, allowed_lse) = (ref, allowed) if case.return_lse else ((ref, None), (allowed, None))
+    out, lse = got if case.return_lse else (got, None)
+    host = _assert_answers(out, case, f"oracle {oracle}")
+    own = max_abs_error(host, ref)
+    assert own <= allowed, f"oracle {oracle} vs float64: {own:.3e} > allowed {allowed:.3e}"
+    if lse is not None:
+        lse = np.asarray(lse, dtype=np.float64)
+        assert lse.shape == tuple(case.query.shape[:3]), f"oracle {oracle}: lse shape {lse.shape}"
+        empty = np.array(case.context_lens) == 0
+        assert np.isneginf(lse[empty]).all() and np.isfinite(lse[~empty]).all(), f"oracle {oracle}: lse on empty rows"
+        err = lse_error(lse, ref_lse)
+        assert err <= allowed_lse, f"oracle {oracle} lse vs float64: {err:.3e} > allowed {allowed_lse:.3e}"

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conformance import Capabilities, UsageError, from_numpy, load
+from contract import ScorePipeline
 from conformance.clauses import CLAUSES
 from tests.plugin_impls import BROKEN
 
@@ -105,7 +106,8 @@ def test_bad_capabilities_are_rejected(spec, message):
 
 def test_undeclared_implementation_gets_the_whole_contract_but_bitwise():
     caps = Capabilities.declared(None)
-    assert caps.unsupported(dtype="bfloat16", head_dim=80, page_size=3, query_len=9, mask=None, window=None) is None
+    assert caps.unsupported(dtype="bfloat16", head_dim=80, page_size=3, query_len=9,
+                            pipeline=ScorePipeline(mask=None)) is None
     assert not caps.bitwise_batch and not caps.bitwise_threads and caps.validates_input
 
 
@@ -157,3 +159,25 @@ def test_builtin_report_carries_the_mutant_kill_table(tmp_path, monkeypatch):
     assert f"[gqa] {CLAUSES['gqa']}" in md and '<td class="survived">survived</td>' in report.to_html(doc)
     foreign = report.markdown(report.build(load("tests.plugin_impls:float64_oracle"), rec, 1))
     assert "Seeded mutants" not in foreign  # the kill table is about the built-in implementation
+
+
+def test_report_lists_the_v2_features_and_their_skips():
+    from conformance import report
+    from conformance.plugin import Outcome, Recorder
+
+    rec = Recorder()
+    reasons = ["not declared by X: sinks (declare sinks=True in pagecheck_capabilities)",
+               "not declared by X: sinks, lse (declare sinks=True, lse=True in pagecheck_capabilities)",
+               "built-in only: checks the pool"]
+    for i, reason in enumerate(reasons):
+        rec.outcomes[f"tests/test_x.py::s{i}"] = Outcome(f"tests/test_x.py::s{i}", "skipped", (), reason)
+    doc = report.build(load("tests.plugin_impls:float64_oracle"), rec, 0)
+    assert doc.data["features"]["sinks"] == {"declared": False, "skipped": 2}
+    assert doc.data["features"]["lse"] == {"declared": False, "skipped": 1}
+    assert doc.data["features"]["softcap"] == {"declared": False, "skipped": 0}
+    md = report.markdown(doc)
+    assert "contract v2 features declared: none" in md and "| attention sinks | sinks | no | 2 |" in md
+    line = next(x for x in report.terminal_lines(doc) if x.startswith("contract v2"))
+    assert "not declared: softcap (0 checks skipped), alibi (0 checks skipped), sinks (2 checks skipped)" in line
+    v2 = report.build(load("tests.plugin_impls:float64_oracle_v2"), rec, 0)
+    assert "contract v2 features declared: softcap, alibi, sinks, lse, value_head_dim" in report.markdown(v2)

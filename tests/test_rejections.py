@@ -46,8 +46,10 @@ BAD = {
                     r"block_table must be int32, got int64"),
     "lens-uint32": (lambda c: c.with_(context_lens=c.context_lens.astype(mx.uint32)), "metadata_dtype",
                     r"context_lens must be int32, got uint32"),
-    "values-shape": (lambda c: c.with_(value_pages=c.value_pages[:, :, :2]), "shape",
-                     r"value_pages shape .* differs from key_pages shape"),
+    "values-shape": (lambda c: c.with_(value_pages=c.value_pages[:, :, :2]), "value_shape",
+                     r"value_pages shape .* differs from key_pages shape .* outside the head dim"),
+    "values-heads": (lambda c: c.with_(value_pages=c.value_pages[:, :1]), "value_shape",
+                     r"value_pages shape \(7, 1, 4, 8\) differs"),
     "head-dim": (lambda c: c.with_(query=c.query[..., :4]), "shape", r"head dim differs: query D=4, key_pages D=8"),
     "table-rows": (lambda c: c.with_(block_table=c.block_table[:1]), "shape", r"block_table has 1 rows but query has B=2"),
     "lens-rows": (lambda c: c.with_(context_lens=mx.array([10, 3, 0], dtype=mx.int32)), "shape",
@@ -62,6 +64,20 @@ BAD = {
     "window-zero": (lambda c: c.with_(window=0), "window", r"window must be >= 1 or None, got 0"),
     "window-negative": (lambda c: c.with_(window=-2), "window", r"window must be >= 1"),
     "window-unmasked": (lambda c: c.with_(mask=None, window=4), "window", r"window=4 needs mask='causal'"),
+    # contract v2 (REFERENCE.md 1b): checked only where the feature is declared
+    "softcap-zero": (lambda c: c.with_(softcap=0.0), "softcap", r"softcap must be a finite float32 value > 0, got 0.0"),
+    "softcap-negative": (lambda c: c.with_(softcap=-30.0), "softcap", r"softcap must be .* > 0, got -30.0"),
+    "softcap-inf": (lambda c: c.with_(softcap=float("inf")), "softcap", r"softcap must be a finite"),
+    "softcap-str": (lambda c: c.with_(softcap="30"), "softcap", r"softcap must be a float > 0 or None, got str"),
+    "alibi-shape": (lambda c: c.with_(alibi_slopes=mx.ones((2,))), "alibi_slopes",
+                    r"alibi_slopes must have shape \[Hq\] = \(4,\), got \(2,\)"),
+    "alibi-dtype": (lambda c: c.with_(alibi_slopes=mx.ones((4,), dtype=mx.float16)), "alibi_slopes",
+                    r"alibi_slopes must be float32, got float16"),
+    "alibi-list": (lambda c: c.with_(alibi_slopes=[0.5] * 4), "alibi_slopes", r"alibi_slopes must be an mlx.core.array"),
+    "sinks-shape": (lambda c: c.with_(sinks=mx.zeros((4, 1))), "sinks", r"sinks must have shape \[Hq\]"),
+    "sinks-dtype": (lambda c: c.with_(sinks=mx.zeros((4,), dtype=mx.bfloat16)), "sinks",
+                    r"sinks must be float32, got bfloat16"),
+    "lse-not-bool": (lambda c: c.with_(return_lse="yes"), "lse", r"return_lse must be True or False, got 'yes'"),
     "context-negative": (lambda c: c.with_(context_lens=mx.array([10, -1], dtype=mx.int32)),
                          "context_negative", r"context_lens\[1\] = -1 is negative"),
     "context-short": (lambda c: c.with_(context_lens=mx.array([10, 2], dtype=mx.int32)), "context_short",
@@ -84,6 +100,8 @@ def test_invariant_10_rejection_leaves_inputs_and_outputs_untouched(name, attent
     base = _base()
     earlier = base.run(attention)
     case = mutate(base)
+    for feature in case.pipeline.features():  # a kernel without sinks is never failed for them
+        attention.require(feature)
     state = (base.query, base.key_pages, base.value_pages, base.block_table, base.context_lens, earlier)
     before = [bits(a) for a in state]
     if attention.builtin:
@@ -153,7 +171,7 @@ def _unchecked(case) -> np.ndarray:
     """The compiled entry point on the case's arrays with the options impl would pass, and
     none of its checks."""
     args = case.args()[:5] + (case.page_size, case.query.shape[-1] ** -0.5, True, 0)
-    return np.array(pagecheck_kernels.paged_attention(*args))
+    return np.array(pagecheck_kernels.paged_attention(*args)[0])
 
 
 # name -> (the valid batch, its corruption), each far outside its bound (the exact

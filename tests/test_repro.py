@@ -246,3 +246,44 @@ def test_file_names_are_safe(nodeid, stem):
     assert repro.file_name(nodeid) == stem
     long = repro.file_name("tests/test_a.py::test_b[" + "x" * 300 + "]")
     assert len(long) <= 100 and long != repro.file_name("tests/test_a.py::test_b[" + "x" * 299 + "]")
+
+
+def _v2_call():
+    case = _case().with_(window=None, softcap=20.0, alibi_slopes=mx.array([0.5, 0.25, 0.125, 1.0]),
+                         sinks=mx.array([1.0, -2.0, 0.5, 3.0]), return_lse=True)
+    return repro.Call(case.args(), case.kwargs())
+
+
+@pytest.mark.parametrize("name,off", [("sinks_ignored", "max |out - ref|"), ("lse_base2_undeclared", "lse: max")])
+def test_a_v2_call_with_its_arrays_and_lse_is_reproduced(name, off, tmp_path):
+    """A failed contract-v2 call (slopes, sinks, return_lse): the arrays go into the .npz
+    beside the oracle's out and lse, and the script judges both; a correct kernel passes it."""
+    impl = load(f"tests.plugin_impls:{name}")
+    written = repro.write(_v2_call(), tmp_path / "repro", nodeid=f"tests/test_x.py::test_v2[{name}]", impl=impl,
+                          clauses=("sinks", "lse"))
+    assert written.path, written.note
+    script = tmp_path / written.path
+    data = np.load(script.with_suffix(".npz"))
+    assert str(data["alibi_slopes__dtype"]) == "float32" and data["sinks"].shape == (4,)
+    assert data["expected_lse"].shape == (2, 4, 2) and np.isneginf(data["expected_lse"][1]).all()
+    assert float(data["allowed_lse"]) > 0 and float(data["allowed"]) > 0
+    text = script.read_text()
+    assert "alibi_slopes=alibi_slopes" in text and "sinks=sinks" in text and "return_lse=True" in text
+    assert "softcap=20.0" in text and "judged against the oracle's lse" in text
+    proc = run_script(script)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL" in proc.stdout and off in proc.stdout and "lse: max |lse - ref|" in proc.stdout, proc.stdout
+    for fixed in ("tests.plugin_impls:float64_oracle_v2", "impl:paged_attention"):
+        run = run_script(script, "--impl", fixed)
+        assert run.returncode == 0, (fixed, run.stdout + run.stderr)
+        assert "PASS" in run.stdout and "empty rows not -inf: 0" in run.stdout
+
+
+def test_a_rejected_v2_option_is_a_rejection_repro(tmp_path):
+    case = _case().with_(sinks=mx.array([1.0, 2.0]))  # [2], not [Hq] = [4]
+    call = repro.Call(case.args(), case.kwargs())
+    assert repro.contract_violation(call).startswith("[sinks] ")
+    written = repro.write(call, tmp_path / "repro", nodeid="tests/test_x.py::test_sinks_shape", impl=load(None))
+    assert "EXPECT = 'reject'" in (tmp_path / written.path).read_text()
+    assert run_script(tmp_path / written.path).returncode == 0  # the built-in rejects it
+    assert repro.contract_violation(repro.Call(case.args(), {**case.kwargs(), "sinks": None})) is None

@@ -45,7 +45,7 @@ def test_gpu_stream_is_a_clear_error_never_a_dense_fallback():
     if not mx.is_available(mx.gpu):
         pytest.skip("this MLX build has no GPU backend, so eval_gpu cannot be reached here")
     case = paged_case(context_lens=[5], query_len=1)
-    out = pagecheck_kernels.paged_attention(*case.args(), 0.25, True, 0, stream=mx.gpu)
+    out, _ = pagecheck_kernels.paged_attention(*case.args(), 0.25, True, 0, stream=mx.gpu)
     with pytest.raises(RuntimeError, match="no GPU kernel"):
         mx.eval(out)
 

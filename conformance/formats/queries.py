@@ -5,6 +5,10 @@
 | `padded`      | `query` `[B, Hq, L, D]`                                              | `[B, Hq, L, D]` | pagecheck |
 | `varlen`      | `query` `[T, Hq, D]`, `cu_seqlens_q` int32 `[B + 1]`, `max_seqlen_q` int | `[T, Hq, D]` | FlashAttention varlen, vLLM (`query_start_loc`), FlashInfer (`qo_indptr`) |
 
+With `return_lse` the kernel returns `(out, lse)`: lse `[B, Hq, L]` padded, `[T, Hq]`
+packed (one entry per packed row and head); `unpack_lse` brings a packed one back to
+`[B, Hq, L]`, `-inf` (an empty row's lse) where a request has no packed row.
+
 Request b's query rows are `query[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`, in position order,
 ending at its last key. A padded call's empty slot (context 0) packs as a request with no
 query rows; its padded output rows are zeros by construction. Packed queries can hold
@@ -46,3 +50,20 @@ def unpack(packed: mx.array, cu_seqlens_q, L: int) -> mx.array:
         pad = mx.zeros((Hq, L - n, D), dtype=packed.dtype)
         out.append(mx.concatenate([pad, rows], axis=1))
     return mx.stack(out) if out else mx.zeros((0, Hq, L, D), dtype=packed.dtype)
+
+
+def unpack_lse(packed: mx.array, cu_seqlens_q, L: int) -> mx.array:
+    """`[T, Hq]` -> `[B, Hq, L]`: request b's entries at its last positions, `-inf` before
+    them (an empty slot is all `-inf`); the kernel's dtype is kept."""
+    cu = np.array(cu_seqlens_q)
+    if packed.ndim != 2 or packed.shape[0] != int(cu[-1]):
+        raise AssertionError(f"the kernel returned an lse of shape {tuple(packed.shape)}, expected "
+                             f"[cu_seqlens_q[-1], Hq] = [{int(cu[-1])}, Hq]")
+    Hq = packed.shape[1]
+    out = []
+    for b in range(len(cu) - 1):
+        n = int(cu[b + 1] - cu[b])
+        rows = packed[int(cu[b]):int(cu[b + 1])].swapaxes(0, 1)  # [Hq, n]
+        pad = mx.full((Hq, L - n), -float("inf"), dtype=packed.dtype)
+        out.append(mx.concatenate([pad, rows], axis=1))
+    return mx.stack(out) if out else mx.zeros((0, Hq, L), dtype=packed.dtype)

@@ -308,6 +308,7 @@ void softmax_row(Chunk& c, const TilePair& t, int n, const int* clo, const int* 
     ml[2 * r] = kNegInf;
     ml[2 * r + 1] = 0.f;
     if (clo[r] < chi[r]) {
+      if (c.pr.logits) to_logits(c.pr, c.s.heads[r], c.s.pos[r], clo[r], c.score_row(p) + (clo[r] - c.c0), chi[r] - clo[r]);
       row_weights(c, c.score_row(p), clo[r], chi[r], t0, t1, c.weight_row(p), ml + 2 * r);
       return;
     }

@@ -22,7 +22,9 @@
 // since the tiles flush subnormal results and o is zero or normal.
 //
 // Off: with $PAGECHECK_AMX=0 at load time, set_amx(false), on a CPU or kernel without
-// AMX, or for a head dim that is not a multiple of 32.
+// AMX, for a head dim that is not a multiple of 32, or when Dv != Dk. Soft-cap, ALiBi,
+// sinks and the lse run on the tiles too: to_logits on each row's scores before its
+// softmax, the sink and the lse in finish_query_row (kernel.h), as on the FMA path.
 #pragma once
 
 #include <cstdint>
@@ -40,7 +42,9 @@ bool amx_enabled();
 // where amx_supported() is false.
 void set_amx(bool on);
 // Whether this call's bfloat16 rows go through the tiles.
-inline bool amx_applies(const Problem& pr) { return pr.D % 32 == 0 && amx_enabled(); }
+// The tile path packs V with the keys' head dim: a call whose value head dim differs
+// (Dv != D) runs the FMA path instead (tested: test_amx's Dv case agrees with it).
+inline bool amx_applies(const Problem& pr) { return pr.D % 32 == 0 && pr.Dv == pr.D && amx_enabled(); }
 
 // Tile state of one task on the thread that runs it: row tiles of m query rows (m <=
 // 16). amx_attend_chunk loads the configuration (reshape: A and C tiles of 16 rows for a

@@ -1,4 +1,6 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/variant.h>
 
 #include "amx.h"
@@ -16,8 +18,9 @@ NB_MODULE(_kernels, m) {
   m.doc() = "pagecheck CPU kernels: paged attention over an MLX page pool";
   m.def("paged_attention", &pagecheck::paged_attention, "query"_a, "key_pages"_a, "value_pages"_a,
         "block_table"_a, "context_lens"_a, "page_size"_a, "scale"_a, "causal"_a, "window"_a,
-        nb::kw_only(), "stream"_a = nb::none(),
-        "Unvalidated entry point; call impl.paged_attention instead.");
+        "softcap"_a = 0.f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(), nb::kw_only(),
+        "stream"_a = nb::none(),
+        "Unvalidated entry point returning (output, lse); call impl.paged_attention instead.");
   m.def("write_slots", &pagecheck::write_slots, "pages"_a, "rows"_a, "slots"_a, nb::kw_only(),
         "stream"_a = nb::none(), "Unvalidated in-place slot write; use impl.PagePool instead.");
   m.def("copy_pages", &pagecheck::copy_pages, "pages"_a, "src"_a, "dst"_a, nb::kw_only(),

@@ -43,7 +43,7 @@ int heads_per_task(int64_t chunk_items, int Hkv) {
 template <class E>
 void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
                 const typename E::T* vpool, typename E::T* out, const std::vector<int>& live) {
-  const int G = pr.group(), L = pr.L, D = pr.D, R = G * L, Hkv = pr.Hkv;
+  const int G = pr.group(), L = pr.L, D = pr.D, Dv = pr.Dv, R = G * L, Hkv = pr.Hkv;
   std::vector<int> c_first(live.size()), c_count(live.size());
   int64_t chunk_items = 0;
   for (size_t i = 0; i < live.size(); ++i) {
@@ -68,14 +68,14 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
       slots += Hkv;
     }
   }
-  AlignedVector<float> part_ml(slots * R * 2), part_o(slots * R * D);
+  AlignedVector<float> part_ml(slots * R * 2), part_o(slots * R * Dv);
   const bool tiles = std::is_same_v<E, BF16> && amx_applies(pr);
 
   parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
     const ChunkTask& task = tasks[t];
     const int rows = task.heads * R;
     Scratch& s = Scratch::local();
-    s.reserve(rows, D);
+    s.reserve(rows, pr);
     const int ctx = pr.context(task.b);
     for (int h = 0; h < task.heads; ++h) {
       for (int hg = 0; hg < G; ++hg) {
@@ -83,15 +83,16 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
           const int r = (h * G + hg) * L + l;
           s.heads[r] = (task.g0 + h) * G + hg;
           s.positions[r] = l;
+          s.pos[r] = ctx - L + l;
           pr.span(ctx, l, s.lo[r], s.hi[r]);
         }
       }
     }
     int jlo, jhi;
     clip_to_chunk(task.c, rows, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
-    resolve_rows(pr, task.b, task.g0, jlo, jhi, s.off.data());
+    const int64_t* voff = resolve_kv_rows(pr, task.b, task.g0, jlo, jhi, s);
     float* ml = part_ml.data() + task.slot * R * 2;
-    float* o = part_o.data() + task.slot * R * D;
+    float* o = part_o.data() + task.slot * R * Dv;
     if constexpr (std::is_same_v<E, BF16>) {
       if (tiles) {
         AmxTask amx(std::min(16, R));
@@ -102,24 +103,23 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
       }
     }
     load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), rows, s.q32.data());
-    attend_chunk<E>(pr, kpool, vpool, s.off.data(), jlo, jhi, s.q32.data(), rows, task.heads,
+    attend_chunk<E>(pr, kpool, vpool, s.off.data(), voff, jlo, jhi, s.q32.data(), rows, task.heads,
                     s.clo.data(), s.chi.data(), s, ml, o);
   });
 
   parallel_for(static_cast<int64_t>(groups.size()), [&](int64_t gi) {
     const MergeGroup& group = groups[gi];
     Scratch& s = Scratch::local();
-    s.reserve(R, D);
+    s.reserve(R, pr);
     for (int r = 0; r < R; ++r) {
       float m = kNegInf, l = 0.f;
       float* o = s.acc_o.data();
       for (int c = 0; c < group.chunks; ++c) {
         const int64_t slot = (group.first_slot + static_cast<int64_t>(c) * Hkv) * R + r;
-        merge_state(m, l, o, part_ml[2 * slot], part_ml[2 * slot + 1], part_o.data() + slot * D, D,
+        merge_state(m, l, o, part_ml[2 * slot], part_ml[2 * slot + 1], part_o.data() + slot * Dv, Dv,
                     pr.qk_scale);
       }
-      const int h = group.g * G + r / L;
-      finish_row<E>(l, o, out + pr.query_offset(group.b, h, r % L), D);
+      finish_query_row<E>(pr, group.b, group.g * G + r / L, r % L, m, l, o, out);
     }
   });
 }

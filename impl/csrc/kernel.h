@@ -3,21 +3,28 @@
 //
 //   symbol        meaning                                    layout
 //   q             newest L positions of each request         [B, Hq, L, D]
-//   k/v pool      the layer's pages                           [P, Hkv, page_size, D]
+//   k pool        the layer's key pages                       [P, Hkv, page_size, D]
+//   v pool        the layer's value pages (Dv may differ)     [P, Hkv, page_size, Dv]
 //   block_table   request b, logical page i -> physical page  int32 [B, max_pages]
 //   context_lens  valid positions of request b (L included)   int32 [B]
-//   out           attention output                            [B, Hq, L, D]
+//   slopes, sinks ALiBi slopes, sink logits (optional)        float32 [Hq]
+//   out, lse      attention output, its log-sum-exp           [B, Hq, L, Dv], float32 [B, Hq, L]
 //
 // Query row l of request b sits at absolute position p = ctx - L + l. Causal: keys
 // j <= p; with window w also j > p - w. Query head h reads KV head h / (Hq / Hkv).
+// The score pipeline past the dot product (soft-cap, ALiBi) runs in to_logits, the
+// sink and the lse in finish_query_row: each row passes through them once, in the same
+// functions, whatever the schedule.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <new>
 #include <vector>
 
 #include "blocks.h"
+#include "logits.h"
 #include "numerics.h"
 
 namespace pagecheck {
@@ -28,6 +35,17 @@ constexpr int kDecodeMaxL = 8;
 
 struct Problem {
   int B, Hq, Hkv, L, D, P, page_size, max_pages;
+  int Dv;  // value head dim (the output's); D is the query's and the keys'
+  // Logit mode (soft-cap, ALiBi or sinks): the scores are turned into the final logits
+  // scale * q.k -> cap -> + bias (to_logits) before the max, so score_sign is +1 and
+  // qk_scale log2(e). Without it the raw scores are kept, as below.
+  bool logits;
+  float scale;    // the signed scale (logit mode)
+  float softcap;  // 0: none
+  const float* slopes;  // [Hq] or null
+  const float* sinks;   // [Hq] or null
+  float lse_scale;      // natural-log units of one unit of m: |scale|, or 1 in logit mode
+  float* lse;           // [B, Hq, L], written with the output
   // Scores are kept as sign(scale) * q.k, so the softmax max is a plain max whatever
   // the scale's sign; the max is subtracted before scaling by |scale| * log2(e), so the
   // exponent (s - m) * qk_scale keeps its accuracy at huge logits (no rounding of
@@ -54,14 +72,34 @@ struct Problem {
     lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
   }
 
-  // Elements of one KV head's slice of a page ([page_size, D]); a page holds Hkv of them.
+  // Elements of one KV head's slice of a key page ([page_size, D]) and of a value page
+  // ([page_size, Dv]); a page holds Hkv of them.
   int64_t head_slice() const { return static_cast<int64_t>(page_size) * D; }
+  int64_t value_slice() const { return static_cast<int64_t>(page_size) * Dv; }
 
-  // Element offset of the first query / output element of (b, h, l).
-  int64_t query_offset(int b, int h, int l) const {
-    return ((static_cast<int64_t>(b) * Hq + h) * L + l) * D;
-  }
+  // Index of query row (b, h, l): its lse; times D its query, times Dv its output.
+  int64_t row_index(int b, int h, int l) const { return (static_cast<int64_t>(b) * Hq + h) * L + l; }
+  int64_t query_offset(int b, int h, int l) const { return row_index(b, h, l) * D; }
+  int64_t output_offset(int b, int h, int l) const { return row_index(b, h, l) * Dv; }
 };
+
+// Logit mode: s[k] (the raw q.k of key j0 + k for a row of query head h at position p)
+// becomes the final logit (logits.h: scale, soft-cap, ALiBi; the same bits whichever
+// schedule asks). A NaN stays NaN.
+inline void to_logits(const Problem& pr, int h, int p, int j0, float* s, int n) {
+  logits_of(s, n, j0, p, pr.scale, pr.softcap, pr.slopes != nullptr ? pr.slopes + h : nullptr);
+}
+
+// The end of query row (b, h, l) from its merged state (m, l_sum, o): the sink, folded in
+// here once per row (never per chunk or per thread: ROCm CK #12227 counted it twice),
+// then the lse (natural log; -inf for a row that saw nothing), then the output.
+template <class E>
+inline void finish_query_row(const Problem& pr, int b, int h, int l, float m, float l_sum, float* o,
+                             typename E::T* out) {
+  if (pr.sinks != nullptr && l_sum != 0.f) add_sink(m, l_sum, o, pr.sinks[h], pr.Dv, pr.qk_scale);
+  pr.lse[pr.row_index(b, h, l)] = l_sum == 0.f ? kNegInf : m * pr.lse_scale + std::log(l_sum);
+  finish_row<E>(l_sum, o, out + pr.output_offset(b, h, l), pr.Dv);
+}
 
 // Whether request b can be computed without reading outside the pool. The Python
 // layer rejects such input with a specific error before it gets here; this is the
@@ -78,20 +116,22 @@ inline bool request_is_safe(const Problem& pr, int b) {
   return true;
 }
 
-// Element offsets of the K/V rows of keys [j0, j1) of request b, KV head g. One
-// block-table lookup per page touched: a chunk that lies inside one page costs one.
-// Offsets are 64-bit: page * page_stride passes 2^31 elements in large pools.
-inline void resolve_rows(const Problem& pr, int b, int g, int j0, int j1, int64_t* off) {
+// Element offsets of the rows of keys [j0, j1) of request b, KV head g, in a pool of
+// rows of `width` elements (D for keys, Dv for values). One block-table lookup per
+// page touched: a chunk that lies inside one page costs one. Offsets are 64-bit:
+// page * page_stride passes 2^31 elements in large pools.
+inline void resolve_rows(const Problem& pr, int b, int g, int j0, int j1, int64_t* off, int width) {
   const int ps = pr.page_size;
   const int32_t* row = pr.block_table + static_cast<int64_t>(b) * pr.max_pages;
-  const int64_t page_stride = pr.Hkv * pr.head_slice();
-  const int64_t head = g * pr.head_slice();
+  const int64_t slice = static_cast<int64_t>(ps) * width;  // one KV head's part of a page
+  const int64_t page_stride = pr.Hkv * slice;
+  const int64_t head = g * slice;
   int j = j0;
   while (j < j1) {
     const int logical = j / ps;
     const int64_t base = static_cast<int64_t>(row[logical]) * page_stride + head;
     const int end = static_cast<int>(std::min<int64_t>(j1, static_cast<int64_t>(logical + 1) * ps));
-    for (int slot = j % ps; j < end; ++j, ++slot) off[j - j0] = base + static_cast<int64_t>(slot) * pr.D;
+    for (int slot = j % ps; j < end; ++j, ++slot) off[j - j0] = base + static_cast<int64_t>(slot) * width;
   }
 }
 
@@ -134,22 +174,25 @@ struct Scratch {
   // Never written: the readable stand-ins for the missing keys of a block, per element size.
   AlignedVector<float> zeros;
   AlignedVector<uint16_t> zeros16;
-  std::vector<int64_t> off;
-  std::vector<int> heads, positions, lo, hi, clo, chi;
+  std::vector<int64_t> off, voff;  // K and V row offsets of a chunk's keys
+  // Per row: query head, query row l, absolute position p, visible keys, clipped to a chunk.
+  std::vector<int> heads, positions, pos, lo, hi, clo, chi;
 
-  void reserve(int rows, int D) {
+  void reserve(int rows, const Problem& pr) {
     const size_t r = static_cast<size_t>(rows);
-    q32.resize(r * D);
+    const int widest = std::max(pr.D, pr.Dv);
+    q32.resize(r * pr.D);
     scores.resize(r * kScoreStride);
     chunk_ml.resize(r * 2);
-    chunk_o.resize(r * D);
+    chunk_o.resize(r * pr.Dv);
     acc_ml.resize(r * 2);
-    acc_o.resize(r * D);
-    block.resize(static_cast<size_t>(kBlock) * D);
-    zeros.resize(D);
-    zeros16.resize(D);
+    acc_o.resize(r * pr.Dv);
+    block.resize(static_cast<size_t>(kBlock) * widest);
+    zeros.resize(widest);
+    zeros16.resize(widest);
     off.resize(kChunk);
-    for (auto* v : {&heads, &positions, &lo, &hi, &clo, &chi}) v->resize(r);
+    voff.resize(kChunk);
+    for (auto* v : {&heads, &positions, &pos, &lo, &hi, &clo, &chi}) v->resize(r);
   }
   // The readable row of zeros for pool elements of type T.
   template <class T>
@@ -162,6 +205,15 @@ struct Scratch {
     return s;
   }
 };
+
+// K and V row offsets of keys [j0, j1) into s.off and, when Dv != D, s.voff; returns
+// the V offsets (s.off itself when the two pools have rows of the same width).
+inline const int64_t* resolve_kv_rows(const Problem& pr, int b, int g, int j0, int j1, Scratch& s) {
+  resolve_rows(pr, b, g, j0, j1, s.off.data(), pr.D);
+  if (pr.Dv == pr.D) return s.off.data();
+  resolve_rows(pr, b, g, j0, j1, s.voff.data(), pr.Dv);
+  return s.voff.data();
+}
 
 // A block's K or V rows as the blocked loops read them. Few rows per block (a decode
 // head's GQA group): in place, a half type widened in registers as each vector is
@@ -272,11 +324,11 @@ inline void for_blocks(const Problem& pr, int jlo, int jhi, int heads, Visit&& v
 // computes (ask_next): the hardware prefetcher alone stops running ahead whenever the
 // loads pause for the multiply-adds, so without this the time for memory and the time
 // for arithmetic add up instead of overlapping.
+// head_stride: elements between two KV heads' slices of a page in `pool`.
 template <class E, class Visit>
 inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const int64_t* off, int jlo, int jhi,
-                             int heads, const typename E::T* zero_row, Visit&& visit) {
+                             int heads, int64_t head_stride, const typename E::T* zero_row, Visit&& visit) {
   using T = typename E::T;
-  const int64_t head_stride = pr.head_slice();
   const T* next[kBlock];
   int h0 = -1, jb0 = 0, n0 = 0;  // the block waiting for its successor
   for_blocks(pr, jlo, jhi, heads, [&](int h, int jb, int n) {
@@ -304,10 +356,10 @@ inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const
 template <class E>
 void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t* off, int jlo, int jhi,
                     int rows, int heads, const int* clo, const int* chi, Scratch& s, float* o) {
-  const int D = pr.D, per_head = rows / heads, n = jhi - jlo;
+  const int D = pr.Dv, per_head = rows / heads, n = jhi - jlo;  // off: the V rows' offsets
   const float* values[kChunk];
   for (int h = 0; h < heads; ++h) {
-    const typename E::T* vh = vpool + h * pr.head_slice();
+    const typename E::T* vh = vpool + h * pr.value_slice();
     const bool in_place = read_in_place<E>(vh + off[0], D);
     if constexpr (std::is_same_v<E, F32>) {
       if (in_place) pool_rows<F32>(vh, off, n, s.zeros.data(), values);
@@ -326,9 +378,10 @@ void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t
 // Attention of `rows` query rows over the keys of one chunk, for `heads` consecutive KV
 // heads: rows [h * rows / heads, (h + 1) * rows / heads) read KV head h (counted from
 // the head `off` points at). clo/chi: each row's visible keys clipped to the chunk
-// (clo >= chi: none); [jlo, jhi): their union; off: the K/V row offsets of keys
-// jlo .. jhi-1 of the first head. Writes each row's chunk state: ml[2r] = m,
-// ml[2r+1] = l (0 when the row sees no key here), o[r*D ...]. K/V come in blocks of up
+// (clo >= chi: none); [jlo, jhi): their union; off, voff: the K and V row offsets of
+// keys jlo .. jhi-1 of the first head. In logit mode the scores become logits
+// (to_logits, reading s.heads and s.pos). Writes each row's chunk state: ml[2r] = m,
+// ml[2r+1] = l (0 when the row sees no key here), o[r*Dv ...]. K/V come in blocks of up
 // to 16 keys (for_blocks) so a block is loaded (and widened) once for all rows of the
 // GQA group, and each block asks for the next one while it computes (for_blocks_ahead).
 // values_by_group: weigh the values group by group over the whole chunk instead
@@ -337,24 +390,26 @@ void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t
 // slots may hold NaN (REFERENCE.md invariant 9).
 template <class E>
 void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename E::T* vpool,
-                  const int64_t* off, int jlo, int jhi, const float* q32, int rows, int heads,
-                  const int* clo, const int* chi, Scratch& s, float* ml, float* o,
+                  const int64_t* off, const int64_t* voff, int jlo, int jhi, const float* q32, int rows,
+                  int heads, const int* clo, const int* chi, Scratch& s, float* ml, float* o,
                   bool values_by_group = false) {
   using T = typename E::T;
-  const int D = pr.D, per_head = rows / heads;
+  const int D = pr.D, Dv = pr.Dv, per_head = rows / heads;
   const int64_t stride = Scratch::kScoreStride;
   const int64_t head_stride = pr.head_slice();
   const bool widen_once = per_head > kRowBlock;  // see BlockRows
+  const int64_t value_stride = pr.value_slice();
   BlockRows<E> block;
   for (int r = 0; r < rows; ++r) {
     ml[2 * r] = kNegInf;
     ml[2 * r + 1] = 0.f;
     // weigh_by_group starts each row that sees a key from zero itself; a row that sees
     // none keeps l == 0, so merge_state never reads its o.
-    if (!values_by_group) std::fill(o + static_cast<int64_t>(r) * D, o + static_cast<int64_t>(r + 1) * D, 0.f);
+    if (!values_by_group) std::fill(o + static_cast<int64_t>(r) * Dv, o + static_cast<int64_t>(r + 1) * Dv, 0.f);
   }
   const T* zero_row = s.zero_row<T>();
-  for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, zero_row, [&](int h, int jb, int n, const T* const* next) {
+  for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, head_stride, zero_row,
+                      [&](int h, int jb, int n, const T* const* next) {
     const T* kh = kpool + h * head_stride;
     block.point(kh, off + (jb - jlo), n, D, widen_once, s);
     // A float32 value pass that copies the chunk's V rows after the softmax (pool rows
@@ -362,8 +417,10 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     // are asked for now: L 2048 prefill, 2 threads, 120.4 -> 117.9 ms. Measured and left
     // out: asking for rows read in place (2% slower) or for half-type rows (3% slower).
     if constexpr (std::is_same_v<E, F32>) {
-      const T* head_values = vpool + h * head_stride;
-      if (values_by_group && !read_in_place<E>(head_values + off[0], D)) ask_rows(head_values, off + (jb - jlo), n, D);
+      const T* head_values = vpool + h * value_stride;
+      if (values_by_group && !read_in_place<E>(head_values + voff[0], Dv)) {
+        ask_rows(head_values, voff + (jb - jlo), n, Dv);
+      }
     }
     // The rows of this head that see a key of this block, kRowBlock at a time.
     const float* qs[kRowBlock];
@@ -391,6 +448,7 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     if (clo[r] >= chi[r]) continue;
     float* sc = s.scores.data() + r * stride + (clo[r] - jlo);  // key clo[r] onwards
     const int n = chi[r] - clo[r];
+    if (pr.logits) to_logits(pr, s.heads[r], s.pos[r], clo[r], sc, n);
     const float m = max_of(sc, n);
     exp2_shifted(sc, n, m, pr.qk_scale);
     ml[2 * r] = m;
@@ -398,18 +456,19 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   }
   // Weighted values, ascending j for every row.
   if (values_by_group) {
-    weigh_by_group<E>(pr, vpool, off, jlo, jhi, rows, heads, clo, chi, s, o);
+    weigh_by_group<E>(pr, vpool, voff, jlo, jhi, rows, heads, clo, chi, s, o);
     return;
   }
-  for_blocks_ahead<E>(pr, vpool, off, jlo, jhi, heads, zero_row, [&](int h, int jb, int n, const T* const* next) {
-    const T* vh = vpool + h * head_stride;
-    block.point(vh, off + (jb - jlo), n, D, widen_once, s);
+  for_blocks_ahead<E>(pr, vpool, voff, jlo, jhi, heads, value_stride, zero_row,
+                      [&](int h, int jb, int n, const T* const* next) {
+    const T* vh = vpool + h * value_stride;
+    block.point(vh, voff + (jb - jlo), n, Dv, widen_once, s);
     // Rows that see the same keys [a, z) of this block share their V loads: gather
     // them into groups of up to kRowBlock (a causal block has a few distinct spans;
     // the GQA heads of one position always share theirs).
-    weigh_in_groups(h * per_head, (h + 1) * per_head, jb, jb + n, clo, chi, jlo, s.scores.data(), o, D,
+    weigh_in_groups(h * per_head, (h + 1) * per_head, jb, jb + n, clo, chi, jlo, s.scores.data(), o, Dv,
                     [&](const RowGroups::Group& g) {
-                      block.weigh(g.a - jb, g.p, g.n, g.z - g.a, g.o, D, next);
+                      block.weigh(g.a - jb, g.p, g.n, g.z - g.a, g.o, Dv, next);
                       next = nullptr;
                     });
   });

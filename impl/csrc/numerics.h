@@ -10,7 +10,8 @@
 //            absolute position, fixed fold),
 //            o = sum p_j v_j (ascending j, one fused multiply-add per term)
 //   merge    chunk states are folded in ascending chunk order, starting from the first
-//   finish   out = o * (1 / l), cast once to the output dtype
+//   sink     (if any) folded into the merged state once: add_sink
+//   finish   out = o * (1 / l), cast once to the output dtype; lse = m + ln l
 //
 // The build uses -ffp-contract=off and no -ffast-math, so the compiler may vectorize
 // these loops but never reorder or fuse their floating-point operations. A bfloat16
@@ -206,6 +207,18 @@ inline void merge_state(float& acc_m, float& acc_l, float* acc_o, float part_m, 
   acc_m = m;
   acc_l = fmadd(part_l, b, acc_l * a);
   for (int d = 0; d < D; ++d) acc_o[d] = fmadd(part_o[d], b, acc_o[d] * a);
+}
+
+// Fold a sink into a row's merged state, once per row: a logit sigma (in the units of
+// m, i.e. logit mode) that adds e^(sigma - m) to the denominator and nothing to o. The
+// max becomes max(m, sigma); where it stays m, a == 1 and o keeps its bits.
+inline void add_sink(float& m, float& l, float* o, float sigma, int D, float qk_scale) {
+  const float top = m > sigma ? m : sigma;
+  const float a = exp2_nonpositive((m - top) * qk_scale);
+  const float b = exp2_nonpositive((sigma - top) * qk_scale);
+  m = top;
+  l = fmadd(l, a, b);
+  for (int d = 0; d < D; ++d) o[d] = o[d] * a;
 }
 
 // out = o * (1 / l), cast once. A row that saw no key is an empty batch slot: zeros.

@@ -26,12 +26,17 @@ void run(const Problem& pr, const mx::array& q, const mx::array& kp, const mx::a
   const T* vd = vp.data<T>();
   T* od = out.data<T>();
   std::vector<int> live;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
   for (int b = 0; b < pr.B; ++b) {
-    const int64_t first = pr.query_offset(b, 0, 0), count = static_cast<int64_t>(pr.Hq) * pr.L * pr.D;
+    const int64_t first = pr.output_offset(b, 0, 0), count = static_cast<int64_t>(pr.Hq) * pr.L * pr.Dv;
+    float* lse = pr.lse + pr.row_index(b, 0, 0);
+    const int64_t rows = static_cast<int64_t>(pr.Hq) * pr.L;
     if (!request_is_safe(pr, b)) {
-      std::fill(od + first, od + first + count, E::store(std::numeric_limits<float>::quiet_NaN()));
+      std::fill(od + first, od + first + count, E::store(nan));
+      std::fill(lse, lse + rows, nan);
     } else if (pr.context(b) == 0) {
-      std::fill(od + first, od + first + count, E::store(0.f));  // empty batch slot
+      std::fill(od + first, od + first + count, E::store(0.f));  // empty batch slot: no key, no sink
+      std::fill(lse, lse + rows, kNegInf);
     } else {
       live.push_back(b);
     }
@@ -46,13 +51,16 @@ void run(const Problem& pr, const mx::array& q, const mx::array& kp, const mx::a
 
 }  // namespace
 
-mx::array paged_attention(const mx::array& query, const mx::array& key_pages,
-                          const mx::array& value_pages, const mx::array& block_table,
-                          const mx::array& context_lens, int page_size, float scale, bool causal,
-                          int window, mx::StreamOrDevice s) {
+std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx::array& key_pages,
+                                                const mx::array& value_pages, const mx::array& block_table,
+                                                const mx::array& context_lens, int page_size, float scale,
+                                                bool causal, int window, float softcap,
+                                                const std::optional<mx::array>& alibi_slopes,
+                                                const std::optional<mx::array>& sinks, mx::StreamOrDevice s) {
   require(query.ndim() == 4, "query must be [B, Hq, L, D]");
   require(key_pages.ndim() == 4, "key_pages must be [P, Hkv, page_size, D]");
-  require(value_pages.shape() == key_pages.shape(), "value_pages must match key_pages");
+  require(value_pages.ndim() == 4 && value_pages.shape(3) >= 1, "value_pages must be [P, Hkv, page_size, Dv]");
+  for (int i = 0; i < 3; ++i) require(value_pages.shape(i) == key_pages.shape(i), "value_pages must match key_pages but for Dv");
   const mx::Dtype dt = query.dtype();
   require(dt == mx::float32 || dt == mx::float16 || dt == mx::bfloat16, "dtype must be f32/f16/bf16");
   require(key_pages.dtype() == dt && value_pages.dtype() == dt, "pools must have the query's dtype");
@@ -64,19 +72,35 @@ mx::array paged_attention(const mx::array& query, const mx::array& key_pages,
   require(key_pages.shape(3) == D && D >= 1, "head dim differs between query and pools");
   require(page_size >= 1 && key_pages.shape(2) == page_size, "page_size differs from the pool");
   require(window >= 0 && std::isfinite(scale), "window must be >= 0 and scale finite");
+  require(softcap >= 0.f && std::isfinite(softcap), "softcap must be >= 0 (0: none) and finite");
+  const mx::array none = mx::zeros({0}, mx::float32);
+  for (const auto* v : {&alibi_slopes, &sinks}) {
+    require(!v->has_value() || ((*v)->dtype() == mx::float32 && (*v)->ndim() == 1 && (*v)->shape(0) == Hq),
+            "alibi_slopes and sinks must be float32 [Hq]");
+  }
 
   auto stream = mx::to_stream(s);
   std::vector<mx::array> inputs;
   for (const auto* a : {&query, &key_pages, &value_pages, &block_table, &context_lens}) {
     inputs.push_back(mx::contiguous(*a, false, stream));
   }
-  return mx::array(query.shape(), dt,
-                   std::make_shared<PagedAttention>(stream, page_size, scale, causal, window),
-                   std::move(inputs));
+  inputs.push_back(mx::contiguous(alibi_slopes.value_or(none), false, stream));
+  inputs.push_back(mx::contiguous(sinks.value_or(none), false, stream));
+  auto prim = std::make_shared<PagedAttention>(stream, page_size, scale, causal, window, softcap);
+  auto outs = mx::array::make_arrays(prim->output_shapes(inputs), {dt, mx::float32}, prim, std::move(inputs));
+  return {outs[0], outs[1]};
 }
 
-void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array>& inputs) {
+  const mx::Shape& q = inputs[0].shape();
+  return {{q[0], q[1], q[2], inputs[2].shape(3)}, {q[0], q[1], q[2]}};
+}
+
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  mx::array& lse_out = outputs[1];
   out.set_data(mx::allocator::malloc(out.nbytes()));
+  lse_out.set_data(mx::allocator::malloc(lse_out.nbytes()));
   // MLX's CPU allocator gives buffers of 32 MiB and more back to the system when they are
   // freed, so each call faults its output in anew: 8192 faults of 4 KiB for a causal f32
   // prefill at L 2048 (127 ms a call), 16 of 2 MiB once advised (123 ms).
@@ -84,25 +108,37 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
+  encoder.set_output_array(lse_out);
   encoder.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
                     kp = mx::array::unsafe_weak_copy(inputs[1]),
                     vp = mx::array::unsafe_weak_copy(inputs[2]),
                     bt = mx::array::unsafe_weak_copy(inputs[3]),
                     cl = mx::array::unsafe_weak_copy(inputs[4]),
-                    out = mx::array::unsafe_weak_copy(out), page_size = page_size_,
-                    scale = scale_, causal = causal_, window = window_]() mutable {
-    if (out.size() == 0) return;
+                    slopes = mx::array::unsafe_weak_copy(inputs[5]),
+                    sinks = mx::array::unsafe_weak_copy(inputs[6]),
+                    out = mx::array::unsafe_weak_copy(out), lse = mx::array::unsafe_weak_copy(lse_out),
+                    page_size = page_size_, scale = scale_, causal = causal_, window = window_,
+                    softcap = softcap_]() mutable {
+    if (lse.size() == 0) return;  // B, Hq or L is 0 (a Dv of 0 is rejected)
     Problem pr{};
     pr.B = q.shape(0);
     pr.Hq = q.shape(1);
     pr.L = q.shape(2);
     pr.D = q.shape(3);
+    pr.Dv = vp.shape(3);
     pr.P = kp.shape(0);
     pr.Hkv = kp.shape(1);
     pr.page_size = page_size;
     pr.max_pages = bt.shape(1);
-    pr.score_sign = scale < 0.f ? -1.f : 1.f;
-    pr.qk_scale = std::fabs(scale) * kLog2e;
+    pr.slopes = slopes.size() > 0 ? slopes.data<float>() : nullptr;
+    pr.sinks = sinks.size() > 0 ? sinks.data<float>() : nullptr;
+    pr.softcap = softcap;
+    pr.scale = scale;
+    pr.logits = softcap > 0.f || pr.slopes != nullptr || pr.sinks != nullptr;
+    pr.score_sign = pr.logits || scale >= 0.f ? 1.f : -1.f;
+    pr.qk_scale = pr.logits ? kLog2e : std::fabs(scale) * kLog2e;
+    pr.lse_scale = pr.logits ? 1.f : std::fabs(scale);
+    pr.lse = lse.data<float>();
     pr.causal = causal;
     pr.window = window;
     pr.block_table = bt.data<int32_t>();
@@ -115,7 +151,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   });
 }
 
-void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error(
       "pagecheck: paged_attention has no GPU kernel in this build (CPU only); "
       "run it on the CPU stream (mx.cpu) — there is no silent dense fallback");
@@ -124,7 +160,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
   return page_size_ == o.page_size_ && scale_ == o.scale_ && causal_ == o.causal_ &&
-         window_ == o.window_;
+         window_ == o.window_ && softcap_ == o.softcap_;
 }
 
 }  // namespace pagecheck

@@ -1,6 +1,9 @@
 // The paged-attention operator as an MLX primitive (CPU only).
 #pragma once
 
+#include <optional>
+#include <utility>
+
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
@@ -8,37 +11,42 @@ namespace pagecheck {
 
 namespace mx = mlx::core;
 
-// Builds the lazy output array. Checks only what memory safety needs (ranks, shapes,
-// dtypes); the contract's specific errors are raised by the Python layer (impl/).
-// window = 0 means no window; causal = false means every query sees all ctx keys.
-mx::array paged_attention(const mx::array& query, const mx::array& key_pages,
-                          const mx::array& value_pages, const mx::array& block_table,
-                          const mx::array& context_lens, int page_size, float scale, bool causal,
-                          int window, mx::StreamOrDevice s = {});
+// Builds the lazy (output [B, Hq, L, Dv], lse float32 [B, Hq, L]) pair: both come out of
+// the same merge, so the lse costs no second pass. Checks only what memory safety needs
+// (ranks, shapes, dtypes); the contract's specific errors are raised by the Python layer
+// (impl/). window = 0 means no window; causal = false means every query sees all ctx
+// keys; softcap = 0 means none; alibi_slopes / sinks are float32 [Hq] when given.
+std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx::array& key_pages,
+                                                const mx::array& value_pages, const mx::array& block_table,
+                                                const mx::array& context_lens, int page_size, float scale,
+                                                bool causal, int window, float softcap = 0.f,
+                                                const std::optional<mx::array>& alibi_slopes = std::nullopt,
+                                                const std::optional<mx::array>& sinks = std::nullopt,
+                                                mx::StreamOrDevice s = {});
 
-class PagedAttention : public mx::UnaryPrimitive {
+class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, int page_size, float scale, bool causal, int window)
-      : mx::UnaryPrimitive(stream),
+  PagedAttention(mx::Stream stream, int page_size, float scale, bool causal, int window, float softcap)
+      : mx::Primitive(stream),
         page_size_(page_size),
         scale_(scale),
         causal_(causal),
-        window_(window) {}
+        window_(window),
+        softcap_(softcap) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override { return "PagedAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
   int page_size_;
   float scale_;
   bool causal_;
   int window_;
+  float softcap_;
 };
 
 }  // namespace pagecheck

@@ -33,7 +33,7 @@ struct BlockTask {
 template <class E>
 void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
                  const typename E::T* vpool, typename E::T* out, const std::vector<int>& live) {
-  const int G = pr.group(), D = pr.D;
+  const int G = pr.group(), Dv = pr.Dv;
   const bool tiles = std::is_same_v<E, BF16> && amx_applies(pr);
   std::vector<BlockTask> tasks;
   for (int b : live) {
@@ -48,7 +48,7 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T*
     const BlockTask& task = tasks[t];
     const int R = G * task.nq;
     Scratch& s = Scratch::local();
-    s.reserve(R, D);
+    s.reserve(R, pr);
     const int ctx = pr.context(task.b);
     int lo_min = ctx, hi_max = 0;
     for (int hg = 0; hg < G; ++hg) {
@@ -56,6 +56,7 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T*
         const int r = hg * task.nq + i;
         s.heads[r] = task.g * G + hg;
         s.positions[r] = task.l0 + i;
+        s.pos[r] = ctx - pr.L + task.l0 + i;
         pr.span(ctx, task.l0 + i, s.lo[r], s.hi[r]);
         lo_min = std::min(lo_min, s.lo[r]);
         hi_max = std::max(hi_max, s.hi[r]);
@@ -75,7 +76,7 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T*
       int jlo, jhi;
       clip_to_chunk(c, R, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
       if (jlo >= jhi) continue;
-      resolve_rows(pr, task.b, task.g, jlo, jhi, s.off.data());
+      const int64_t* voff = resolve_kv_rows(pr, task.b, task.g, jlo, jhi, s);
       if constexpr (std::is_same_v<E, BF16>) {
         if (amx) {
           amx_attend_chunk(pr, kpool, vpool, s.off.data(), jlo, jhi, R, 1, s.clo.data(), s.chi.data(), *amx, s,
@@ -83,18 +84,18 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T*
         }
       }
       if (!amx) {
-        attend_chunk<E>(pr, kpool, vpool, s.off.data(), jlo, jhi, s.q32.data(), R, 1, s.clo.data(),
+        attend_chunk<E>(pr, kpool, vpool, s.off.data(), voff, jlo, jhi, s.q32.data(), R, 1, s.clo.data(),
                         s.chi.data(), s, s.chunk_ml.data(), s.chunk_o.data(), /*values_by_group=*/true);
       }
       for (int r = 0; r < R; ++r) {
-        merge_state(s.acc_ml[2 * r], s.acc_ml[2 * r + 1], s.acc_o.data() + static_cast<int64_t>(r) * D,
+        merge_state(s.acc_ml[2 * r], s.acc_ml[2 * r + 1], s.acc_o.data() + static_cast<int64_t>(r) * Dv,
                     s.chunk_ml[2 * r], s.chunk_ml[2 * r + 1],
-                    s.chunk_o.data() + static_cast<int64_t>(r) * D, D, pr.qk_scale);
+                    s.chunk_o.data() + static_cast<int64_t>(r) * Dv, Dv, pr.qk_scale);
       }
     }
     for (int r = 0; r < R; ++r) {
-      finish_row<E>(s.acc_ml[2 * r + 1], s.acc_o.data() + static_cast<int64_t>(r) * D,
-                    out + pr.query_offset(task.b, s.heads[r], s.positions[r]), D);
+      finish_query_row<E>(pr, task.b, s.heads[r], s.positions[r], s.acc_ml[2 * r], s.acc_ml[2 * r + 1],
+                          s.acc_o.data() + static_cast<int64_t>(r) * Dv, out);
     }
   });
 }

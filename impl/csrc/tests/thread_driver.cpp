@@ -108,7 +108,8 @@ Batch make_batch(const Shape& s, uint32_t seed) {
 mx::array attend(const Shape& s, const Batch& x, mx::StreamOrDevice stream = {}) {
   return pagecheck::paged_attention(x.q, x.kp, x.vp, x.table, x.lens, s.page_size,
                                     1.f / std::sqrt(static_cast<float>(s.D)), s.causal, s.window,
-                                    stream);
+                                    0.f, std::nullopt, std::nullopt, stream)
+      .first;
 }
 
 std::vector<uint8_t> bytes(mx::array a) {
