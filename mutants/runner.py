@@ -131,8 +131,9 @@ class Worker:
         failed = FAILED.findall(proc.stdout)
         if failed:
             return failed[0]
-        if proc.returncode == 5:          # no tests collected: a catalog error, not a kill
-            raise RuntimeError(f"no tests collected for {args}")
+        if proc.returncode in (4, 5):     # a killer that is not there, or no tests: a catalog error, not a kill
+            raise RuntimeError(f"pytest exit {proc.returncode} (no such test, or none collected) for {args}: "
+                               f"{(proc.stdout + proc.stderr).strip().splitlines()[-1:]}")
         return f"pytest exit {proc.returncode}: {proc.stdout.strip().splitlines()[-1:]}"
 
     @staticmethod

@@ -59,7 +59,7 @@ CORRUPTIONS = {
     "table-int64": ("metadata_dtype", True),
     "table-float32": ("metadata_dtype", True),
     "lens-uint32": ("metadata_dtype", True),
-    "values-shape": ("shape", True),
+    "values-shape": ("value_shape", True),
     "head-dim": ("shape", True),
     "table-rows": ("shape", True),
     "lens-rows": ("shape", True),

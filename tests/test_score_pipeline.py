@@ -129,15 +129,16 @@ def test_invariant_8_with_every_feature(dtype, window, attention):
     chunk edges: the sink is folded in once per row in both schedules, and the bias
     depends on the row's position, not on how the query was split."""
     attention.require("bitwise_batch")
-    n = 2 * CHUNK + 20
-    prefill = _with(paged_case(context_lens=[n, 0], query_len=n, q_heads=4, kv_heads=2, head_dim=64,
+    n, before = 2 * CHUNK + 20, 37  # the prefill's rows sit at positions 37 .. n + 36, not at l
+    prefill = _with(paged_case(context_lens=[before + n, 0], query_len=n, q_heads=4, kv_heads=2, head_dim=64,
                                page_size=16, window=window, dtype=dtype, seed=80), ALL)
     prefill = prefill.with_(alibi_slopes=prefill.alibi_slopes[:4], sinks=prefill.sinks[:4])
     _require(attention, prefill)
     out = prefill.run(attention)
-    for l in (0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, n - 1):
+    for p in (before, before + 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, before + n - 1):
+        l = p - before
         decode = prefill.decode_row(l)
-        assert _bits(decode.run(attention)) == _bits(_row(out, slice(l, l + 1))), f"row {l}"
+        assert _bits(decode.run(attention)) == _bits(_row(out, slice(l, l + 1))), f"row {l} (position {p})"
 
 
 @pytest.mark.clause("inv9")

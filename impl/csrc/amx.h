@@ -30,17 +30,10 @@
 #include <cstdint>
 
 #include "kernel.h"
+#include "kernel_info.h"  // amx_supported, amx_enabled, set_amx
 
 namespace pagecheck {
 
-// Built with the tile path, the CPU has AMX-BF16 and Linux lets this process use the
-// tile registers (asked once: arch_prctl ARCH_REQ_XCOMP_PERM).
-bool amx_supported();
-// Whether bfloat16 calls use the tiles now (amx_supported and not switched off).
-bool amx_enabled();
-// Switches the tile path on or off for later calls; on throws std::invalid_argument
-// where amx_supported() is false.
-void set_amx(bool on);
 // Whether this call's bfloat16 rows go through the tiles.
 // The tile path packs V with the keys' head dim: a call whose value head dim differs
 // (Dv != D) runs the FMA path instead (tested: test_amx's Dv case agrees with it).

@@ -3,10 +3,9 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/variant.h>
 
-#include "amx.h"
 #include "fma_peak.h"
 #include "huge_pages.h"
-#include "kernel.h"
+#include "kernel_info.h"
 #include "paged_attention.h"
 #include "pool_update.h"
 #include "thread_pool.h"
@@ -48,12 +47,9 @@ NB_MODULE(_kernels, m) {
       "array"_a,
       "Evaluates `array` and moves the 2 MiB-aligned interior of its buffer onto 2 MiB pages now "
       "(Linux madvise MADV_HUGEPAGE + MADV_COLLAPSE; values unchanged). Returns whether Linux took it.");
-  m.attr("CHUNK") = pagecheck::kChunk;
-  m.attr("LANES") = pagecheck::kLanes;
-  m.attr("DECODE_MAX_L") = pagecheck::kDecodeMaxL;
-#if defined(__FMA__) || defined(__aarch64__)
-  m.attr("FUSED_MULTIPLY_ADD") = true;  // numerics.h fmadd rounds once
-#else
-  m.attr("FUSED_MULTIPLY_ADD") = false;
-#endif
+  const pagecheck::KernelInfo info = pagecheck::kernel_info();
+  m.attr("CHUNK") = info.chunk;
+  m.attr("LANES") = info.lanes;
+  m.attr("DECODE_MAX_L") = info.decode_max_l;
+  m.attr("FUSED_MULTIPLY_ADD") = info.fused_multiply_add;
 }

@@ -7,6 +7,7 @@
 
 #include "huge_pages.h"
 #include "kernel.h"
+#include "kernel_info.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace pagecheck {
@@ -50,6 +51,15 @@ void run(const Problem& pr, const mx::array& q, const mx::array& kp, const mx::a
 }
 
 }  // namespace
+
+KernelInfo kernel_info() {
+#if defined(__FMA__) || defined(__aarch64__)
+  constexpr bool fused = true;  // numerics.h fmadd rounds once
+#else
+  constexpr bool fused = false;
+#endif
+  return {kChunk, kLanes, kDecodeMaxL, fused};
+}
 
 std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx::array& key_pages,
                                                 const mx::array& value_pages, const mx::array& block_table,

@@ -1,0 +1,26 @@
+// What the Python binding needs to know of the kernels, without their headers: the
+// binding (nanobind and MLX's headers, about 10 s to compile) then rebuilds only when
+// this file changes, not for every change of kernel.h, blocks.h or numerics.h (each
+// seeded mutant of those is one rebuild of the kernels: mutants/runner.py).
+#pragma once
+
+namespace pagecheck {
+
+struct KernelInfo {
+  int chunk;             // keys per chunk (numerics.h kChunk)
+  int lanes;             // lanes of the score dot product (kLanes)
+  int decode_max_l;      // longest query of the decode schedule (kernel.h kDecodeMaxL)
+  bool fused_multiply_add;  // numerics.h fmadd rounds once
+};
+KernelInfo kernel_info();
+
+// Built with the tile path, the CPU has AMX-BF16 and Linux lets this process use the
+// tile registers (asked once: arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_supported();
+// Whether bfloat16 calls use the tiles now (amx_supported and not switched off).
+bool amx_enabled();
+// Switches the tile path on or off for later calls; on throws std::invalid_argument
+// where amx_supported() is false.
+void set_amx(bool on);
+
+}  // namespace pagecheck
