@@ -45,7 +45,7 @@ pytest runs with -p no:faulthandler (its SIGSEGV handler would hide ASan's repor
 
 Suppressions: sanitize/{asan,ubsan,tsan}.supp are passed when present; each line says
 why it is there. ASan + UBSan need none (MLX 0.32.4: no report in our runs). TSan needs
-five lines, all inside MLX's Event and its shared state (tsan.supp). Reports in our own code (impl/csrc,
+six lines, all inside MLX's Event and its shared state (tsan.supp). Reports in our own code (impl/csrc,
 pagecheck::) are never suppressed.
 """
 
