@@ -60,13 +60,6 @@ def _with(case, features: str, seed: int = 0, value_dim: int | None = None):
 ALL = "softcap+alibi+sinks"
 
 
-def _require(attention, case):
-    for feature in case.pipeline.features():
-        attention.require(feature)
-    if case.value_pages.shape[-1] != case.query.shape[-1]:
-        attention.require("value_head_dim")
-
-
 def _bits(result) -> tuple[bytes, ...]:
     return tuple(bits(x) for x in (result if isinstance(result, tuple) else (result,)))
 
@@ -84,7 +77,7 @@ def test_features_meet_the_oracles(features, L, dtype, attention, error_log):
     base = paged_case(context_lens=[CHUNK + 40, 0, L + 5], query_len=L, q_heads=HQ, kv_heads=HKV, head_dim=32,
                       page_size=16, dtype=dtype, window=100 if "alibi" in features else None, seed=L)
     case = _with(base, features, seed=L, value_dim=48 if "dv" in features else None)
-    _require(attention, case)
+    attention.require_case(case)
     result = compare(case.run(attention), case.args(), case.kwargs())
     error_log.record(case.dtype, "float64", result.against_float64)
     assert not result.failures(), result.failures()
@@ -96,7 +89,7 @@ def test_invariant_6_with_every_feature(L, attention):
     attention.require("bitwise_batch")
     big = _with(paged_case(context_lens=[300, L, 0, 700], query_len=L, q_heads=HQ, kv_heads=HKV, head_dim=64,
                            page_size=16, window=200, seed=60 + L), ALL)
-    _require(attention, big)
+    attention.require_case(big)
     out = big.run(attention)
     for b in range(4):
         alone = big.with_(query=big.query[b:b + 1], block_table=big.block_table[b:b + 1],
@@ -110,7 +103,7 @@ def test_invariant_7_with_every_feature(dtype, attention):
     attention.require("bitwise_threads")
     case = _with(paged_case(context_lens=[1100, 14, 513], query_len=7, q_heads=HQ, kv_heads=HKV, head_dim=64,
                             page_size=16, window=300, dtype=dtype, seed=70), ALL)
-    _require(attention, case)
+    attention.require_case(case)
     seen = set()
     try:
         for n in (1, 2, 3, os.cpu_count() or 1):
@@ -133,7 +126,7 @@ def test_invariant_8_with_every_feature(dtype, window, attention):
     prefill = _with(paged_case(context_lens=[before + n, 0], query_len=n, q_heads=4, kv_heads=2, head_dim=64,
                                page_size=16, window=window, dtype=dtype, seed=80), ALL)
     prefill = prefill.with_(alibi_slopes=prefill.alibi_slopes[:4], sinks=prefill.sinks[:4])
-    _require(attention, prefill)
+    attention.require_case(prefill)
     out = prefill.run(attention)
     for p in (before, before + 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, before + n - 1):
         l = p - before
@@ -147,7 +140,7 @@ def test_invariant_9_with_every_feature(L, attention):
     attention.require("bitwise_batch")
     kwargs = dict(context_lens=[45, 0, 17], query_len=L, q_heads=HQ, kv_heads=HKV, head_dim=32, page_size=8, seed=90)
     poisoned = _with(paged_case(**kwargs), ALL)  # NaN in every unwritten slot and free page
-    _require(attention, poisoned)
+    attention.require_case(poisoned)
     clean = _with(paged_case(**kwargs, fill=0.0), ALL)
     assert _bits(poisoned.run(attention)) == _bits(clean.run(attention))
 
