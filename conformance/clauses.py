@@ -32,6 +32,9 @@ CLAUSES = {
                     "two empty states give (0, -inf)",
     "value_dim": "Dk != Dv: K pages [P, Hkv, ps, Dk], V pages [P, Hkv, ps, Dv], output [..., Dv], "
                  "default scale Dk ** -0.5",
+    "kv_format": "quantized KV pages: x = decode(q) * s, e4m3fn (max 448, 0x7f/0xff NaN, no inf), e5m2 "
+                 "(IEEE-like), int8; scales per tensor, per KV head or per (token, KV head) at the physical "
+                 "slot, applied once to K and once to V",
     # section 2: invariants
     "inv1": "invariant 1: context_lens selects exactly the written positions",
     "inv2": "invariant 2: block_table reconstructs the dense logical order",
@@ -60,6 +63,9 @@ REJECTIONS = {
     "sinks": "sinks that are not a float32 [Hq] array are rejected",
     "lse": "a return_lse other than True or False is rejected",
     "value_shape": "value pages disagreeing with the key pages outside the head dim are rejected",
+    "kv_dtype": "an unknown kv_dtype, or pages not holding its codes (uint8 for fp8, int8), are rejected",
+    "kv_scale": "a k_scale / v_scale that is not a float > 0 or a float32 [], [Hkv] or [P, Hkv, ps] "
+                "array, or a scale without a kv_dtype, is rejected",
     "merge": "merge_states inputs of mismatched shapes or dtypes are rejected",
     "context_negative": "a negative context length is rejected",
     "context_short": "0 < context_lens[b] < L is rejected",

@@ -11,6 +11,7 @@ key j. In order:
 | mask      | `mask`, `window` | causal: `j <= p`; window w: `p - w < j <= p`; None: all keys | "causal"/None, int >= 1 |
 | sinks     | `sinks`        | a logit `sigma_h` in the softmax's denominator, carrying no value, never scaled or capped, counted once per row | float32 `[Hq]` or None |
 | LSE       | `return_lse`   | also return `lse = m + ln d` (natural log, sinks included; `-inf` for an empty slot) | bool |
+| KV format | `kv_dtype`, `k_scale`, `v_scale` | pages of 8-bit codes, `k_j = decode(q) * s` (contract/kv_format.py) | str or None; float or float32 array |
 
 With `m = max(max_j s_j, sigma_h)` and `d = sum_j e^(s_j - m) + e^(sigma_h - m)` (the
 sink term only with sinks), the output row is `sum_j e^(s_j - m) v_j / d`.
@@ -24,8 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from .kv_format import KVFormat
+
 # The keyword arguments of a call, in the order of the table above.
-OPTIONS = ("scale", "mask", "window", "softcap", "alibi_slopes", "sinks", "return_lse")
+OPTIONS = ("scale", "mask", "window", "softcap", "alibi_slopes", "sinks", "return_lse", "kv_dtype", "k_scale",
+           "v_scale")
 # Contract-v2 features -> the option that switches each on (capability names).
 FEATURES = {"softcap": "softcap", "alibi": "alibi_slopes", "sinks": "sinks", "lse": "return_lse"}
 _V1 = ("scale", "mask", "window")
@@ -40,6 +44,9 @@ class ScorePipeline:
     alibi_slopes: object = None
     sinks: object = None
     return_lse: bool = False
+    kv_dtype: str | None = None
+    k_scale: object = None
+    v_scale: object = None
 
     @classmethod
     def of(cls, kwargs: dict | None = None, **more) -> ScorePipeline:
@@ -63,6 +70,11 @@ class ScorePipeline:
         return tuple(f for f, option in FEATURES.items()
                      if getattr(self, option) is not None and getattr(self, option) is not False)
 
+    @property
+    def kv(self) -> KVFormat:
+        """How the pages are stored (contract/kv_format.py)."""
+        return KVFormat(self.kv_dtype, self.k_scale, self.v_scale)
+
     def with_(self, **changes) -> ScorePipeline:
         return replace(self, **changes)
 
@@ -80,6 +92,8 @@ class ScorePipeline:
         if self.softcap is not None:
             parts.append(f"softcap {self.softcap:g}" if isinstance(self.softcap, (int, float)) else "softcap")
         parts += [name for name in ("alibi", "sinks", "lse") if name in self.features()]
+        if self.kv.quantized:
+            parts.append(self.kv.describe())
         return ", ".join(parts)
 
 

@@ -3,8 +3,8 @@
 | symbol         | meaning                                              | dtype / shape                  |
 |----------------|------------------------------------------------------|--------------------------------|
 | `query`        | the newest L positions of each request               | f32/f16/bf16 `[B, Hq, L, Dk]`  |
-| `key_pages`    | the layer's key page pool                            | query's dtype `[P, Hkv, ps, Dk]`|
-| `value_pages`  | the layer's value page pool (Dv may differ from Dk)  | query's dtype `[P, Hkv, ps, Dv]`|
+| `key_pages`    | the layer's key page pool                            | query's dtype (or codes) `[P, Hkv, ps, Dk]`|
+| `value_pages`  | the layer's value page pool (Dv may differ from Dk)  | query's dtype (or codes) `[P, Hkv, ps, Dv]`|
 | `block_table`  | request b, logical page i -> physical page           | int32 `[B, max_pages]`         |
 | `context_lens` | valid positions of request b, the L new ones included| int32 `[B]`                    |
 | `page_size`    | positions per page, equals `key_pages.shape[2]`      | int >= 1                       |
@@ -15,6 +15,8 @@
 | `alibi_slopes` | `s_j += slope_h * (j - p)` after the cap             | float32 `[Hq]` or None         |
 | `sinks`        | a per-head logit in the softmax denominator only     | float32 `[Hq]` or None         |
 | `return_lse`   | also return `lse = m + ln d` (natural log, sinks in) | bool                           |
+| `kv_dtype`     | pages of 8-bit codes: `float8_e4m3fn`, `float8_e5m2` (uint8 bit patterns), `int8` | str or None |
+| `k_scale`, `v_scale` | `x = decode(q) * s` per tensor, KV head or (token, KV head) (contract/kv_format.py) | float or float32 `[]`, `[Hkv]`, `[P, Hkv, ps]` |
 | returns        | attention output (and lse: `-inf` for an empty slot) | query's dtype `[B, Hq, L, Dv]` (, float32 `[B, Hq, L]`) |
 
 Query row l of request b sits at position `p = context_lens[b] - L + l`; query head h
@@ -37,12 +39,15 @@ from contract import ScorePipeline
 from .runtime import KERNEL_STREAM
 from .validation import KernelOptions, PagedMetadata, check_arrays, check_pipeline
 
+# kv_dtype -> the kernel's element code (paged_attention.h KvCode)
+_KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
+
 
 def _run(query, key_pages, value_pages, metadata: PagedMetadata, opts: KernelOptions):
     out, lse = _kernels.paged_attention(query, key_pages, value_pages, metadata.block_table,
                                         metadata.context_lens, metadata.page_size, opts.scale, opts.causal,
                                         opts.window, opts.softcap, opts.alibi_slopes, opts.sinks,
-                                        stream=KERNEL_STREAM)
+                                        _KV_CODES[opts.kv_dtype], opts.k_scale, opts.v_scale, stream=KERNEL_STREAM)
     # The kernel always writes the lse beside the output (the same merge makes both);
     # a caller that did not ask gets the output alone, as in the first contract.
     return (out, lse) if opts.return_lse else out
@@ -50,15 +55,16 @@ def _run(query, key_pages, value_pages, metadata: PagedMetadata, opts: KernelOpt
 
 def paged_attention(query, key_pages, value_pages, block_table, context_lens, page_size, *,
                     scale=None, mask="causal", window=None, softcap=None, alibi_slopes=None, sinks=None,
-                    return_lse=False):
+                    return_lse=False, kv_dtype=None, k_scale=None, v_scale=None):
     """Attention of each request's newest L positions over its paged K/V.
 
     Every argument is checked, metadata values included (one host read of
     `block_table` and `context_lens`); on bad input `ContractViolation` is raised and
     nothing is computed. Returns the output, or (output, lse) with `return_lse=True`.
     """
-    pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse)
-    geom = check_arrays(query, key_pages, value_pages, block_table, context_lens, page_size)
+    pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale,
+                             v_scale)
+    geom = check_arrays(query, key_pages, value_pages, block_table, context_lens, page_size, kv_dtype)
     opts = check_pipeline(geom, pipeline)
     meta = PagedMetadata.build(block_table, context_lens, page_size=geom.page_size,
                                num_pages=geom.num_pages, query_len=geom.query_len)
@@ -67,15 +73,16 @@ def paged_attention(query, key_pages, value_pages, block_table, context_lens, pa
 
 def paged_attention_with_metadata(query, key_pages, value_pages, metadata: PagedMetadata, *,
                                   scale=None, mask="causal", window=None, softcap=None, alibi_slopes=None,
-                                  sinks=None, return_lse=False):
+                                  sinks=None, return_lse=False, kv_dtype=None, k_scale=None, v_scale=None):
     """The serving path: metadata values were checked when `metadata` was built.
 
     Shapes and dtypes are still checked (no host sync), including that the call
     matches the batch, query length and pool the metadata was validated for.
     """
-    pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse)
+    pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale,
+                             v_scale)
     geom = check_arrays(query, key_pages, value_pages, metadata.block_table, metadata.context_lens,
-                        metadata.page_size)
+                        metadata.page_size, kv_dtype)
     opts = check_pipeline(geom, pipeline)
     metadata.check_matches(geom)
     return _run(query, key_pages, value_pages, metadata, opts)

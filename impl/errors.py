@@ -21,6 +21,8 @@ on it); the message names the offending argument, request or page.
 | `alibi_slopes`      | ALiBi slopes not a float32 `[Hq]` array                       |
 | `sinks`             | sinks not a float32 `[Hq]` array                              |
 | `lse`               | `return_lse` not True or False                                |
+| `kv_dtype`          | an unknown `kv_dtype`, or pages not holding its codes (uint8 fp8, int8) |
+| `kv_scale`          | `k_scale` / `v_scale` not a float > 0 or a float32 `[]`, `[Hkv]` or `[P, Hkv, ps]` array, or given without a `kv_dtype` |
 | `merge`             | `merge_states` inputs of other shapes or dtypes than its contract |
 | `context_negative`  | `context_lens[b] < 0`                                         |
 | `context_short`     | `0 < context_lens[b] < L`                                     |

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from contract import ScorePipeline
+from contract import KV_DTYPES, ScorePipeline, granularity_of, storage_dtype
 
 from .errors import ContractViolation
 
@@ -61,8 +61,18 @@ def _int_arg(name, value, clause):
         raise ContractViolation(clause, f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
-def check_arrays(query, key_pages, value_pages, block_table, context_lens, page_size) -> Geometry:
-    """Shape and dtype rules; raises ContractViolation naming the argument."""
+def check_kv_dtype(kv_dtype) -> str | None:
+    """A call's `kv_dtype` (contract/kv_format.py): None or one of its formats."""
+    if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES):
+        raise ContractViolation("kv_dtype", f"kv_dtype must be None or one of {', '.join(KV_DTYPES)}, "
+                                            f"got {kv_dtype!r}")
+    return kv_dtype
+
+
+def check_arrays(query, key_pages, value_pages, block_table, context_lens, page_size,
+                 kv_dtype: str | None = None) -> Geometry:
+    """Shape and dtype rules; raises ContractViolation naming the argument. With a
+    `kv_dtype` the pools hold its codes (uint8 for fp8, int8), else the query's dtype."""
     for name, x in (("query", query), ("key_pages", key_pages), ("value_pages", value_pages),
                     ("block_table", block_table), ("context_lens", context_lens)):
         _require_array(name, x)
@@ -73,8 +83,13 @@ def check_arrays(query, key_pages, value_pages, block_table, context_lens, page_
     _require_rank("context_lens", context_lens, 1, "[B]")
     if query.dtype not in FLOAT_DTYPES:
         raise ContractViolation("dtype", f"query dtype {_dtype_name(query.dtype)} is not supported (float32, float16, bfloat16)")
+    kv_dtype = check_kv_dtype(kv_dtype)
     for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
-        if x.dtype != query.dtype:
+        if kv_dtype is not None:
+            if _dtype_name(x.dtype) != storage_dtype(kv_dtype):
+                raise ContractViolation("kv_dtype", f"{name} dtype {_dtype_name(x.dtype)}: kv_dtype {kv_dtype} "
+                                                    f"pages hold {storage_dtype(kv_dtype)} codes")
+        elif x.dtype != query.dtype:
             raise ContractViolation("dtype", f"{name} dtype {_dtype_name(x.dtype)} differs from query dtype "
                                              f"{_dtype_name(query.dtype)}")
     # Metadata dtypes (int32) are checked where the values are read: PagedMetadata.build.
@@ -134,6 +149,9 @@ class KernelOptions:
     alibi_slopes: mx.array | None  # float32 [Hq]
     sinks: mx.array | None  # float32 [Hq]
     return_lse: bool
+    kv_dtype: str | None  # None: pages in the query's dtype
+    k_scale: mx.array | None  # float32 [], [Hkv] or [P, Hkv, ps] with a kv_dtype
+    v_scale: mx.array | None
 
 
 def _head_vector(name: str, x, q_heads: int) -> mx.array | None:
@@ -154,6 +172,32 @@ def _head_vector(name: str, x, q_heads: int) -> mx.array | None:
     return x
 
 
+def _kv_scale(name: str, x, geom: Geometry) -> mx.array:
+    """k_scale / v_scale: a float > 0 (per tensor) or a float32 array [], [Hkv] or
+    [P, Hkv, ps]; None is 1.0. An array's values are not read (no host sync)."""
+    if x is None:
+        x = 1.0
+    if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool):
+        value = float(x)
+        if not (math.isfinite(value) and 0.0 < value <= np.finfo(np.float32).max):
+            raise ContractViolation("kv_scale", f"{name} must be a finite float32 value > 0, got {x!r}")
+        return mx.array(value, dtype=mx.float32)
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.float32:
+            raise ContractViolation("kv_scale", f"{name} must be float32, got {x.dtype}")
+        x = mx.array(x)
+    elif not isinstance(x, mx.array):
+        raise ContractViolation("kv_scale", f"{name} must be a float or a float32 mlx.core.array, "
+                                            f"got {type(x).__name__}")
+    if x.dtype != mx.float32:
+        raise ContractViolation("kv_scale", f"{name} must be float32, got {_dtype_name(x.dtype)}")
+    if granularity_of(x.shape, num_pages=geom.num_pages, kv_heads=geom.kv_heads, page_size=geom.page_size) is None:
+        raise ContractViolation("kv_scale", f"{name} shape {tuple(x.shape)} is none of [] (per tensor), "
+                                f"[Hkv] = ({geom.kv_heads},) (per head) or [P, Hkv, page_size] = "
+                                f"({geom.num_pages}, {geom.kv_heads}, {geom.page_size}) (per token)")
+    return x
+
+
 def check_pipeline(geom: Geometry, pipeline: ScorePipeline) -> KernelOptions:
     """Every option of the call (contract/pipeline.py) against the contract."""
     scale, causal, window = check_options(geom.head_dim, pipeline.scale, pipeline.mask, pipeline.window)
@@ -169,9 +213,20 @@ def check_pipeline(geom: Geometry, pipeline: ScorePipeline) -> KernelOptions:
             raise ContractViolation("softcap", f"softcap must be a finite float32 value > 0, got {softcap!r}")
     if not isinstance(pipeline.return_lse, (bool, np.bool_)):
         raise ContractViolation("lse", f"return_lse must be True or False, got {pipeline.return_lse!r}")
+    kv_dtype = check_kv_dtype(pipeline.kv_dtype)
+    if kv_dtype is None:
+        for name in ("k_scale", "v_scale"):
+            if getattr(pipeline, name) is not None:
+                raise ContractViolation("kv_scale", f"{name} is given but kv_dtype is None: scales belong to "
+                                                    "quantized pages")
+        k_scale = v_scale = None
+    else:
+        k_scale = _kv_scale("k_scale", pipeline.k_scale, geom)
+        v_scale = _kv_scale("v_scale", pipeline.v_scale, geom)
     return KernelOptions(scale, causal, window, softcap,
                          _head_vector("alibi_slopes", pipeline.alibi_slopes, geom.q_heads),
-                         _head_vector("sinks", pipeline.sinks, geom.q_heads), bool(pipeline.return_lse))
+                         _head_vector("sinks", pipeline.sinks, geom.q_heads), bool(pipeline.return_lse),
+                         kv_dtype, k_scale, v_scale)
 
 
 def check_metadata_values(block_table: np.ndarray, context_lens: np.ndarray, *, page_size: int,

@@ -17,7 +17,8 @@ NB_MODULE(_kernels, m) {
   m.doc() = "pagecheck CPU kernels: paged attention over an MLX page pool";
   m.def("paged_attention", &pagecheck::paged_attention, "query"_a, "key_pages"_a, "value_pages"_a,
         "block_table"_a, "context_lens"_a, "page_size"_a, "scale"_a, "causal"_a, "window"_a,
-        "softcap"_a = 0.f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(), nb::kw_only(),
+        "softcap"_a = 0.f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(), "kv_code"_a = 0,
+        "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), nb::kw_only(),
         "stream"_a = nb::none(),
         "Unvalidated entry point returning (output, lse); call impl.paged_attention instead.");
   m.def("write_slots", &pagecheck::write_slots, "pages"_a, "rows"_a, "slots"_a, nb::kw_only(),

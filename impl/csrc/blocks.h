@@ -85,8 +85,26 @@ inline __m512 load16(const typename E::T* p) {
   } else if constexpr (std::is_same_v<E, BF16>) {
     const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-  } else {
+  } else if constexpr (std::is_same_v<E, F16>) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else if constexpr (std::is_same_v<E, I8>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else if constexpr (std::is_same_v<E, FP8E5M2>) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+  } else {
+    static_assert(std::is_same_v<E, FP8E4M3>);
+    // FP8E4M3::load on 16 lanes: magnitude bits 7 places up, the sign 8, as float16;
+    // times 2^8 (exact); NaN where the magnitude is 0x7f.
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(mag, 7));
+    const __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F));
+    // The NaN keeps the code's sign and the scalar load's payload: sign | quiet NaN.
+    const __m512 sign = _mm512_and_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN)));
+    return _mm512_mask_blend_ps(nan, x, _mm512_or_ps(sign, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000))));
   }
 }
 #endif
@@ -349,10 +367,8 @@ inline void widen(const typename E::T* src, float* dst, int D) {
       const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d)));
       _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
     }
-  } else if constexpr (std::is_same_v<E, F16>) {
-    for (; d + kLanes <= D; d += kLanes) {
-      _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
-    }
+  } else if constexpr (!std::is_same_v<E, F32>) {  // float16 and the quantized codes
+    for (; d + kLanes <= D; d += kLanes) _mm512_storeu_ps(dst + d, load16<E>(src + d));
   }
 #endif
   for (; d < D; ++d) dst[d] = E::load(src[d]);

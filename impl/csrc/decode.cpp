@@ -40,9 +40,9 @@ int heads_per_task(int64_t chunk_items, int Hkv) {
 
 }  // namespace
 
-template <class E>
-void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
-                const typename E::T* vpool, typename E::T* out, const std::vector<int>& live) {
+template <class E, class KV>
+void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T* kpool,
+                const typename KV::T* vpool, typename E::T* out, const std::vector<int>& live) {
   const int G = pr.group(), L = pr.L, D = pr.D, Dv = pr.Dv, R = G * L, Hkv = pr.Hkv;
   std::vector<int> c_first(live.size()), c_count(live.size());
   int64_t chunk_items = 0;
@@ -69,7 +69,8 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
     }
   }
   AlignedVector<float> part_ml(slots * R * 2), part_o(slots * R * Dv);
-  const bool tiles = std::is_same_v<E, BF16> && amx_applies(pr);
+  // The tiles take bfloat16 pools; a quantized one runs the FMA path.
+  const bool tiles = std::is_same_v<E, BF16> && std::is_same_v<KV, BF16> && amx_applies(pr);
 
   parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
     const ChunkTask& task = tasks[t];
@@ -93,7 +94,7 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
     const int64_t* voff = resolve_kv_rows(pr, task.b, task.g0, jlo, jhi, s);
     float* ml = part_ml.data() + task.slot * R * 2;
     float* o = part_o.data() + task.slot * R * Dv;
-    if constexpr (std::is_same_v<E, BF16>) {
+    if constexpr (std::is_same_v<E, BF16> && std::is_same_v<KV, BF16>) {
       if (tiles) {
         AmxTask amx(std::min(16, R));
         amx_load_queries(pr, q, task.b, s.heads.data(), s.positions.data(), rows, task.heads, amx, s);
@@ -103,7 +104,7 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
       }
     }
     load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), rows, s.q32.data());
-    attend_chunk<E>(pr, kpool, vpool, s.off.data(), voff, jlo, jhi, s.q32.data(), rows, task.heads,
+    attend_chunk<KV>(pr, kpool, vpool, s.off.data(), voff, jlo, jhi, s.q32.data(), rows, task.heads,
                     s.clo.data(), s.chi.data(), s, ml, o);
   });
 
@@ -124,11 +125,17 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* 
   });
 }
 
-template void run_decode<F32>(const Problem&, const float*, const float*, const float*, float*,
-                              const std::vector<int>&);
-template void run_decode<BF16>(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*,
-                               uint16_t*, const std::vector<int>&);
-template void run_decode<F16>(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*,
-                              uint16_t*, const std::vector<int>&);
+// Every query type with its own pools and with each quantized code.
+#define PAGECHECK_RUN_DECODE(E, KV)                                                                   \
+  template void run_decode<E, KV>(const Problem&, const E::T*, const KV::T*, const KV::T*, E::T*, \
+                                 const std::vector<int>&);
+#define PAGECHECK_RUN_DECODE_ALL(E) \
+  PAGECHECK_RUN_DECODE(E, E)        \
+  PAGECHECK_RUN_DECODE(E, FP8E4M3)  \
+  PAGECHECK_RUN_DECODE(E, FP8E5M2)  \
+  PAGECHECK_RUN_DECODE(E, I8)
+PAGECHECK_RUN_DECODE_ALL(F32)
+PAGECHECK_RUN_DECODE_ALL(BF16)
+PAGECHECK_RUN_DECODE_ALL(F16)
 
 }  // namespace pagecheck

@@ -8,13 +8,17 @@
 //   block_table   request b, logical page i -> physical page  int32 [B, max_pages]
 //   context_lens  valid positions of request b (L included)   int32 [B]
 //   slopes, sinks ALiBi slopes, sink logits (optional)        float32 [Hq]
+//   k/v scales    quantized pools only: x = decode(code) * s    float32 [], [Hkv] or [P, Hkv, ps]
 //   out, lse      attention output, its log-sum-exp           [B, Hq, L, Dv], float32 [B, Hq, L]
 //
 // Query row l of request b sits at absolute position p = ctx - L + l. Causal: keys
 // j <= p; with window w also j > p - w. Query head h reads KV head h / (Hq / Hkv).
 // The score pipeline past the dot product (soft-cap, ALiBi) runs in to_logits, the
 // sink and the lse in finish_query_row: each row passes through them once, in the same
-// functions, whatever the schedule.
+// functions, whatever the schedule. A quantized pool (pool type KV one of numerics.h's
+// codes, the query type E a float) is decoded exactly as each vector is loaded and its
+// scales applied once per key in attend_chunk: K's to the raw score, V's to the softmax
+// weight (the denominator keeps the unscaled weight).
 #pragma once
 
 #include <algorithm>
@@ -32,6 +36,14 @@ namespace pagecheck {
 // Query lengths up to this use the decode schedule (chunk-parallel); longer ones the
 // prefill schedule (query blocks). Both give the same bits per row.
 constexpr int kDecodeMaxL = 8;
+
+// A quantized pool's scales (contract/kv_format.py): one float (tensor), one per KV head
+// (head), or one per slot [P, Hkv, ps] beside the pages (token), read at the physical slot.
+struct Scales {
+  enum Kind { kTensor, kHead, kToken };
+  const float* data = nullptr;
+  Kind kind = kTensor;
+};
 
 struct Problem {
   int B, Hq, Hkv, L, D, P, page_size, max_pages;
@@ -56,6 +68,7 @@ struct Problem {
   int window;  // 0: no window
   const int32_t* block_table;
   const int32_t* context_lens;
+  Scales k_scales, v_scales;  // read only for a quantized pool
 
   int group() const { return Hq / Hkv; }
   int context(int b) const { return context_lens[b]; }
@@ -82,6 +95,27 @@ struct Problem {
   int64_t query_offset(int b, int h, int l) const { return row_index(b, h, l) * D; }
   int64_t output_offset(int b, int h, int l) const { return row_index(b, h, l) * Dv; }
 };
+
+// The scales of n pool rows (element offsets off[0 .. n) of rows of `width` elements, KV
+// head g0 of the item) for `heads` consecutive KV heads, times `sign`: out[h * kChunk + k].
+// A row's physical slot (page * Hkv + g) * page_size + slot is its offset / width: one
+// divide per page crossed (the rows of a page are consecutive), not one per key.
+inline void chunk_scales(const Problem& pr, const Scales& sc, const int64_t* off, int n, int width, int heads,
+                         float sign, int64_t* slot, float* out) {
+  if (sc.kind == Scales::kToken) {
+    for (int k = 0; k < n; ++k) slot[k] = k > 0 && off[k] == off[k - 1] + width ? slot[k - 1] + 1 : off[k] / width;
+    for (int h = 0; h < heads; ++h) {
+      const float* head = sc.data + static_cast<int64_t>(h) * pr.page_size;  // head g0 + h: ps slots on
+      for (int k = 0; k < n; ++k) out[h * kChunk + k] = head[slot[k]] * sign;
+    }
+    return;
+  }
+  const int64_t g0 = sc.kind == Scales::kHead ? off[0] / width / pr.page_size % pr.Hkv : 0;
+  for (int h = 0; h < heads; ++h) {
+    const float v = sc.data[sc.kind == Scales::kHead ? g0 + h : 0] * sign;
+    std::fill(out + h * kChunk, out + h * kChunk + n, v);
+  }
+}
 
 // Logit mode: s[k] (the raw q.k of key j0 + k for a row of query head h at position p)
 // becomes the final logit (logits.h: scale, soft-cap, ALiBi; the same bits whichever
@@ -167,6 +201,9 @@ struct Scratch {
   static constexpr int kScoreStride = kChunk + kBlock;  // a block may run past the chunk's keys
 
   AlignedVector<float> q32, scores, chunk_ml, chunk_o, acc_ml, acc_o, block, chunk_values;
+  // A quantized pool's scales of a chunk's keys, per KV head of the item: K's (times the
+  // score sign) and V's, [heads][kChunk].
+  AlignedVector<float> key_scales, value_scales;
   // The tile path's operands (amx.cpp): query rows, packed K blocks and V slabs, bf16
   // weights, scores and stored accumulators.
   AlignedVector<uint16_t> tile_q, tile_qt, tile_k, tile_v, tile_p;
@@ -174,7 +211,7 @@ struct Scratch {
   // Never written: the readable stand-ins for the missing keys of a block, per element size.
   AlignedVector<float> zeros;
   AlignedVector<uint16_t> zeros16;
-  std::vector<int64_t> off, voff;  // K and V row offsets of a chunk's keys
+  std::vector<int64_t> off, voff, slots;  // K and V row offsets of a chunk's keys; physical slots
   // Per row: query head, query row l, absolute position p, visible keys, clipped to a chunk.
   std::vector<int> heads, positions, pos, lo, hi, clo, chi;
 
@@ -192,12 +229,14 @@ struct Scratch {
     zeros16.resize(widest);
     off.resize(kChunk);
     voff.resize(kChunk);
+    slots.resize(kChunk);
     for (auto* v : {&heads, &positions, &pos, &lo, &hi, &clo, &chi}) v->resize(r);
   }
-  // The readable row of zeros for pool elements of type T.
+  // The readable row of zeros for pool elements of type T (zero bytes: 0 in every code).
   template <class T>
   const T* zero_row() const {
     if constexpr (std::is_same_v<T, float>) return zeros.data();
+    else if constexpr (sizeof(T) == 1) return reinterpret_cast<const T*>(zeros16.data());
     else return zeros16.data();
   }
   static Scratch& local() {
@@ -407,6 +446,14 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     // none keeps l == 0, so merge_state never reads its o.
     if (!values_by_group) std::fill(o + static_cast<int64_t>(r) * Dv, o + static_cast<int64_t>(r + 1) * Dv, 0.f);
   }
+  if constexpr (kQuantized<E>) {
+    // One scale per (head, key), looked up once here: K's with the score's sign folded in
+    // (exact), so each score is multiplied once.
+    s.key_scales.resize(static_cast<size_t>(heads) * kChunk);
+    s.value_scales.resize(static_cast<size_t>(heads) * kChunk);
+    chunk_scales(pr, pr.k_scales, off, jhi - jlo, D, heads, pr.score_sign, s.slots.data(), s.key_scales.data());
+    chunk_scales(pr, pr.v_scales, voff, jhi - jlo, Dv, heads, 1.f, s.slots.data(), s.value_scales.data());
+  }
   const T* zero_row = s.zero_row<T>();
   for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, head_stride, zero_row,
                       [&](int h, int jb, int n, const T* const* next) {
@@ -429,7 +476,11 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     const auto score_selected = [&] {
       block.scores(qs, nsel, D, ss, next);
       next = nullptr;  // asked for by the first rows
-      if (pr.score_sign < 0.f) {  // a negative scale; times +1 would change no bit
+      if constexpr (kQuantized<E>) {  // K's scale, once per score (the sign folded in)
+        const float* ks = s.key_scales.data() + h * kChunk + (jb - jlo);
+        for (int i = 0; i < nsel; ++i)
+          for (int k = 0; k < n; ++k) ss[i][k] *= ks[k];
+      } else if (pr.score_sign < 0.f) {  // a negative scale; times +1 would change no bit
         for (int i = 0; i < nsel; ++i)
           for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
       }
@@ -453,6 +504,10 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     exp2_shifted(sc, n, m, pr.qk_scale);
     ml[2 * r] = m;
     ml[2 * r + 1] = lane_sum(sc, clo[r], n);
+    if constexpr (kQuantized<E>) {  // V's scale, once per weight, after the denominator took it
+      const float* vs = s.value_scales.data() + (r / per_head) * kChunk + (clo[r] - jlo);
+      for (int k = 0; k < n; ++k) sc[k] *= vs[k];
+    }
   }
   // Weighted values, ascending j for every row.
   if (values_by_group) {
@@ -490,12 +545,13 @@ inline void clip_to_chunk(int c, int rows, const int* lo, const int* hi, int* cl
   }
 }
 
-template <class E>
-void run_decode(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
-                const typename E::T* vpool, typename E::T* out, const std::vector<int>& live);
+// E: the query's and the output's type; KV: the pools' (E itself, or a quantized code).
+template <class E, class KV>
+void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T* kpool,
+                const typename KV::T* vpool, typename E::T* out, const std::vector<int>& live);
 
-template <class E>
-void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
-                 const typename E::T* vpool, typename E::T* out, const std::vector<int>& live);
+template <class E, class KV>
+void run_prefill(const Problem& pr, const typename E::T* q, const typename KV::T* kpool,
+                 const typename KV::T* vpool, typename E::T* out, const std::vector<int>& live);
 
 }  // namespace pagecheck

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -115,6 +116,35 @@ struct F16 {
     return u;
   }
 };
+
+// Element codes of quantized pools (contract/kv_format.py): load() decodes a code to
+// float32 exactly, without its scale (the kernel applies the scales once per key: to the
+// score for K, to the softmax weight for V; kernel.h). No store(): only the write path
+// (pool_update.cpp) encodes.
+struct FP8E4M3 {  // float8_e4m3fn: bias 7, no inf, 0x7f / 0xff NaN, max 448
+  using T = uint8_t;
+  static float load(uint8_t x) {
+    if ((x & 0x7F) == 0x7F) return bits_to_float((x & 0x80u) << 24 | 0x7FC00000u);
+    // Its magnitude bits sit in a float16 three places lower than a float16's own
+    // (exponent bias 15, not 7): the float16 with the same bits, times 2^8. Subnormals
+    // (exponent 0) map to float16 subnormals with the same rule.
+    return F16::load(static_cast<uint16_t>((x & 0x80u) << 8 | (x & 0x7Fu) << 7)) * 256.f;
+  }
+};
+
+struct FP8E5M2 {  // float8_e5m2: the top byte of a float16 (inf, NaN as IEEE)
+  using T = uint8_t;
+  static float load(uint8_t x) { return F16::load(static_cast<uint16_t>(x << 8)); }
+};
+
+struct I8 {  // symmetric int8
+  using T = int8_t;
+  static float load(int8_t x) { return static_cast<float>(x); }
+};
+
+// Whether E is a quantized pool code (its rows carry scales) rather than a float type.
+template <class E>
+constexpr bool kQuantized = std::is_same_v<E, FP8E4M3> || std::is_same_v<E, FP8E5M2> || std::is_same_v<E, I8>;
 
 // The lane fold every reduction here ends with: halving, i += i+8, i += i+4,
 // i += i+2, i += i+1; the result is lane 0.

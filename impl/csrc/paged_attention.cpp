@@ -18,13 +18,13 @@ void require(bool ok, const char* what) {
   if (!ok) throw std::invalid_argument(std::string("pagecheck._kernels.paged_attention: ") + what);
 }
 
-template <class E>
+template <class E, class KV = E>
 void run(const Problem& pr, const mx::array& q, const mx::array& kp, const mx::array& vp,
          mx::array& out) {
   using T = typename E::T;
   const T* qd = q.data<T>();
-  const T* kd = kp.data<T>();
-  const T* vd = vp.data<T>();
+  const auto* kd = kp.data<typename KV::T>();
+  const auto* vd = vp.data<typename KV::T>();
   T* od = out.data<T>();
   std::vector<int> live;
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -44,10 +44,30 @@ void run(const Problem& pr, const mx::array& q, const mx::array& kp, const mx::a
   }
   if (live.empty()) return;
   if (pr.L <= kDecodeMaxL) {
-    run_decode<E>(pr, qd, kd, vd, od, live);
+    run_decode<E, KV>(pr, qd, kd, vd, od, live);
   } else {
-    run_prefill<E>(pr, qd, kd, vd, od, live);
+    run_prefill<E, KV>(pr, qd, kd, vd, od, live);
   }
+}
+
+// The query type E with the pools' format.
+template <class E>
+void run_format(int kv_code, const Problem& pr, const mx::array& q, const mx::array& kp, const mx::array& vp,
+                mx::array& out) {
+  switch (kv_code) {
+    case kKvFp8E4M3: run<E, FP8E4M3>(pr, q, kp, vp, out); break;
+    case kKvFp8E5M2: run<E, FP8E5M2>(pr, q, kp, vp, out); break;
+    case kKvInt8: run<E, I8>(pr, q, kp, vp, out); break;
+    default: run<E>(pr, q, kp, vp, out); break;
+  }
+}
+
+// A scale array's granularity (contract/kv_format.py), by its shape.
+Scales scales_of(const mx::array& a) {
+  Scales sc;
+  sc.data = a.data<float>();
+  sc.kind = a.ndim() == 0 ? Scales::kTensor : a.ndim() == 1 ? Scales::kHead : Scales::kToken;
+  return sc;
 }
 
 }  // namespace
@@ -66,14 +86,19 @@ std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx
                                                 const mx::array& context_lens, int page_size, float scale,
                                                 bool causal, int window, float softcap,
                                                 const std::optional<mx::array>& alibi_slopes,
-                                                const std::optional<mx::array>& sinks, mx::StreamOrDevice s) {
+                                                const std::optional<mx::array>& sinks, int kv_code,
+                                                const std::optional<mx::array>& k_scale,
+                                                const std::optional<mx::array>& v_scale, mx::StreamOrDevice s) {
   require(query.ndim() == 4, "query must be [B, Hq, L, D]");
   require(key_pages.ndim() == 4, "key_pages must be [P, Hkv, page_size, D]");
   require(value_pages.ndim() == 4 && value_pages.shape(3) >= 1, "value_pages must be [P, Hkv, page_size, Dv]");
   for (int i = 0; i < 3; ++i) require(value_pages.shape(i) == key_pages.shape(i), "value_pages must match key_pages but for Dv");
   const mx::Dtype dt = query.dtype();
   require(dt == mx::float32 || dt == mx::float16 || dt == mx::bfloat16, "dtype must be f32/f16/bf16");
-  require(key_pages.dtype() == dt && value_pages.dtype() == dt, "pools must have the query's dtype");
+  require(kv_code >= kKvQueryDtype && kv_code <= kKvInt8, "kv_code must be 0 (query dtype), 1 (e4m3), 2 (e5m2) or 3 (int8)");
+  const mx::Dtype pool_dt = kv_code == kKvQueryDtype ? dt : kv_code == kKvInt8 ? mx::int8 : mx::uint8;
+  require(key_pages.dtype() == pool_dt && value_pages.dtype() == pool_dt,
+          "pools must have the query's dtype, or hold the codes of kv_code (uint8 fp8, int8)");
   require(block_table.ndim() == 2 && block_table.dtype() == mx::int32, "block_table must be int32 [B, max_pages]");
   require(context_lens.ndim() == 1 && context_lens.dtype() == mx::int32, "context_lens must be int32 [B]");
   const int B = query.shape(0), Hq = query.shape(1), D = query.shape(3);
@@ -84,6 +109,16 @@ std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx
   require(window >= 0 && std::isfinite(scale), "window must be >= 0 and scale finite");
   require(softcap >= 0.f && std::isfinite(softcap), "softcap must be >= 0 (0: none) and finite");
   const mx::array none = mx::zeros({0}, mx::float32);
+  const mx::array one = mx::array(1.f);
+  const int P = key_pages.shape(0), Hkv = key_pages.shape(1);
+  for (const auto* v : {&k_scale, &v_scale}) {
+    if (!v->has_value()) continue;
+    const mx::array& a = **v;
+    const bool shaped = a.ndim() == 0 || (a.ndim() == 1 && a.shape(0) == Hkv) ||
+                        (a.ndim() == 3 && a.shape(0) == P && a.shape(1) == Hkv && a.shape(2) == page_size);
+    require(kv_code != kKvQueryDtype && a.dtype() == mx::float32 && shaped,
+            "k_scale and v_scale go with a kv_code, float32 [], [Hkv] or [P, Hkv, page_size]");
+  }
   for (const auto* v : {&alibi_slopes, &sinks}) {
     require(!v->has_value() || ((*v)->dtype() == mx::float32 && (*v)->ndim() == 1 && (*v)->shape(0) == Hq),
             "alibi_slopes and sinks must be float32 [Hq]");
@@ -96,7 +131,9 @@ std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx
   }
   inputs.push_back(mx::contiguous(alibi_slopes.value_or(none), false, stream));
   inputs.push_back(mx::contiguous(sinks.value_or(none), false, stream));
-  auto prim = std::make_shared<PagedAttention>(stream, page_size, scale, causal, window, softcap);
+  inputs.push_back(mx::contiguous(k_scale.value_or(one), false, stream));
+  inputs.push_back(mx::contiguous(v_scale.value_or(one), false, stream));
+  auto prim = std::make_shared<PagedAttention>(stream, page_size, scale, causal, window, softcap, kv_code);
   auto outs = mx::array::make_arrays(prim->output_shapes(inputs), {dt, mx::float32}, prim, std::move(inputs));
   return {outs[0], outs[1]};
 }
@@ -126,6 +163,8 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
                     cl = mx::array::unsafe_weak_copy(inputs[4]),
                     slopes = mx::array::unsafe_weak_copy(inputs[5]),
                     sinks = mx::array::unsafe_weak_copy(inputs[6]),
+                    k_scale = mx::array::unsafe_weak_copy(inputs[7]),
+                    v_scale = mx::array::unsafe_weak_copy(inputs[8]), kv_code = kv_code_,
                     out = mx::array::unsafe_weak_copy(out), lse = mx::array::unsafe_weak_copy(lse_out),
                     page_size = page_size_, scale = scale_, causal = causal_, window = window_,
                     softcap = softcap_]() mutable {
@@ -153,10 +192,12 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     pr.window = window;
     pr.block_table = bt.data<int32_t>();
     pr.context_lens = cl.data<int32_t>();
+    pr.k_scales = scales_of(k_scale);
+    pr.v_scales = scales_of(v_scale);
     switch (q.dtype()) {
-      case mx::float32: run<F32>(pr, q, kp, vp, out); break;
-      case mx::bfloat16: run<BF16>(pr, q, kp, vp, out); break;
-      default: run<F16>(pr, q, kp, vp, out); break;
+      case mx::float32: run_format<F32>(kv_code, pr, q, kp, vp, out); break;
+      case mx::bfloat16: run_format<BF16>(kv_code, pr, q, kp, vp, out); break;
+      default: run_format<F16>(kv_code, pr, q, kp, vp, out); break;
     }
   });
 }
@@ -170,7 +211,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
   return page_size_ == o.page_size_ && scale_ == o.scale_ && causal_ == o.causal_ &&
-         window_ == o.window_ && softcap_ == o.softcap_;
+         window_ == o.window_ && softcap_ == o.softcap_ && kv_code_ == o.kv_code_;
 }
 
 }  // namespace pagecheck

@@ -11,28 +11,38 @@ namespace pagecheck {
 
 namespace mx = mlx::core;
 
+// Pools' element format (impl/attention.py _KV_CODES; contract/kv_format.py).
+enum KvCode : int { kKvQueryDtype = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2, kKvInt8 = 3 };
+
 // Builds the lazy (output [B, Hq, L, Dv], lse float32 [B, Hq, L]) pair: both come out of
 // the same merge, so the lse costs no second pass. Checks only what memory safety needs
 // (ranks, shapes, dtypes); the contract's specific errors are raised by the Python layer
 // (impl/). window = 0 means no window; causal = false means every query sees all ctx
 // keys; softcap = 0 means none; alibi_slopes / sinks are float32 [Hq] when given.
+// kv_code (KvCode): the pools' element format; a quantized one (uint8 fp8 bit patterns or
+// int8) takes k_scale / v_scale, float32 [] (tensor), [Hkv] (head) or [P, Hkv, ps] (token).
 std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx::array& key_pages,
                                                 const mx::array& value_pages, const mx::array& block_table,
                                                 const mx::array& context_lens, int page_size, float scale,
                                                 bool causal, int window, float softcap = 0.f,
                                                 const std::optional<mx::array>& alibi_slopes = std::nullopt,
                                                 const std::optional<mx::array>& sinks = std::nullopt,
+                                                int kv_code = kKvQueryDtype,
+                                                const std::optional<mx::array>& k_scale = std::nullopt,
+                                                const std::optional<mx::array>& v_scale = std::nullopt,
                                                 mx::StreamOrDevice s = {});
 
 class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, int page_size, float scale, bool causal, int window, float softcap)
+  PagedAttention(mx::Stream stream, int page_size, float scale, bool causal, int window, float softcap,
+                 int kv_code)
       : mx::Primitive(stream),
         page_size_(page_size),
         scale_(scale),
         causal_(causal),
         window_(window),
-        softcap_(softcap) {}
+        softcap_(softcap),
+        kv_code_(kv_code) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -47,6 +57,7 @@ class PagedAttention : public mx::Primitive {
   bool causal_;
   int window_;
   float softcap_;
+  int kv_code_;
 };
 
 }  // namespace pagecheck

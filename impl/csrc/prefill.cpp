@@ -30,11 +30,12 @@ struct BlockTask {
 
 }  // namespace
 
-template <class E>
-void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T* kpool,
-                 const typename E::T* vpool, typename E::T* out, const std::vector<int>& live) {
+template <class E, class KV>
+void run_prefill(const Problem& pr, const typename E::T* q, const typename KV::T* kpool,
+                 const typename KV::T* vpool, typename E::T* out, const std::vector<int>& live) {
   const int G = pr.group(), Dv = pr.Dv;
-  const bool tiles = std::is_same_v<E, BF16> && amx_applies(pr);
+  // The tiles take bfloat16 pools; a quantized one runs the FMA path.
+  const bool tiles = std::is_same_v<E, BF16> && std::is_same_v<KV, BF16> && amx_applies(pr);
   std::vector<BlockTask> tasks;
   for (int b : live) {
     for (int g = 0; g < pr.Hkv; ++g) {
@@ -67,7 +68,7 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T*
     std::optional<AmxTask> amx;
     if (tiles) {
       amx.emplace(std::min(16, R));
-      if constexpr (std::is_same_v<E, BF16>)
+      if constexpr (std::is_same_v<E, BF16> && std::is_same_v<KV, BF16>)
         amx_load_queries(pr, q, task.b, s.heads.data(), s.positions.data(), R, 1, *amx, s);
     } else {
       load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), R, s.q32.data());
@@ -77,14 +78,14 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T*
       clip_to_chunk(c, R, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
       if (jlo >= jhi) continue;
       const int64_t* voff = resolve_kv_rows(pr, task.b, task.g, jlo, jhi, s);
-      if constexpr (std::is_same_v<E, BF16>) {
+      if constexpr (std::is_same_v<E, BF16> && std::is_same_v<KV, BF16>) {
         if (amx) {
           amx_attend_chunk(pr, kpool, vpool, s.off.data(), jlo, jhi, R, 1, s.clo.data(), s.chi.data(), *amx, s,
                            s.chunk_ml.data(), s.chunk_o.data());
         }
       }
       if (!amx) {
-        attend_chunk<E>(pr, kpool, vpool, s.off.data(), voff, jlo, jhi, s.q32.data(), R, 1, s.clo.data(),
+        attend_chunk<KV>(pr, kpool, vpool, s.off.data(), voff, jlo, jhi, s.q32.data(), R, 1, s.clo.data(),
                         s.chi.data(), s, s.chunk_ml.data(), s.chunk_o.data(), /*values_by_group=*/true);
       }
       for (int r = 0; r < R; ++r) {
@@ -100,11 +101,17 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename E::T*
   });
 }
 
-template void run_prefill<F32>(const Problem&, const float*, const float*, const float*, float*,
-                               const std::vector<int>&);
-template void run_prefill<BF16>(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*,
-                                uint16_t*, const std::vector<int>&);
-template void run_prefill<F16>(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*,
-                               uint16_t*, const std::vector<int>&);
+// Every query type with its own pools and with each quantized code.
+#define PAGECHECK_RUN_PREFILL(E, KV)                                                                   \
+  template void run_prefill<E, KV>(const Problem&, const E::T*, const KV::T*, const KV::T*, E::T*, \
+                                 const std::vector<int>&);
+#define PAGECHECK_RUN_PREFILL_ALL(E) \
+  PAGECHECK_RUN_PREFILL(E, E)        \
+  PAGECHECK_RUN_PREFILL(E, FP8E4M3)  \
+  PAGECHECK_RUN_PREFILL(E, FP8E5M2)  \
+  PAGECHECK_RUN_PREFILL(E, I8)
+PAGECHECK_RUN_PREFILL_ALL(F32)
+PAGECHECK_RUN_PREFILL_ALL(BF16)
+PAGECHECK_RUN_PREFILL_ALL(F16)
 
 }  // namespace pagecheck
