@@ -68,6 +68,7 @@ struct Problem {
   int window;  // 0: no window
   const int32_t* block_table;
   const int32_t* context_lens;
+  bool quantized;             // the pools hold codes (kQuantized): resolve_slots, then the scales
   Scales k_scales, v_scales;  // read only for a quantized pool
 
   int group() const { return Hq / Hkv; }
@@ -96,21 +97,19 @@ struct Problem {
   int64_t output_offset(int b, int h, int l) const { return row_index(b, h, l) * Dv; }
 };
 
-// The scales of n pool rows (element offsets off[0 .. n) of rows of `width` elements, KV
-// head g0 of the item) for `heads` consecutive KV heads, times `sign`: out[h * kChunk + k].
-// A row's physical slot (page * Hkv + g) * page_size + slot is its offset / width: one
-// divide per page crossed (the rows of a page are consecutive), not one per key.
-inline void chunk_scales(const Problem& pr, const Scales& sc, const int64_t* off, int n, int width, int heads,
-                         float sign, int64_t* slot, float* out) {
+// The scales of n keys (physical slots slot[0 .. n) of KV head g0, resolve_slots) for
+// `heads` consecutive KV heads g0 + h, times `sign`: out[h * kChunk + k]. A token scale
+// sits at the key's physical slot, the next head's page_size slots on.
+inline void chunk_scales(const Problem& pr, const Scales& sc, const int64_t* slot, int n, int heads, float sign,
+                         float* out) {
   if (sc.kind == Scales::kToken) {
-    for (int k = 0; k < n; ++k) slot[k] = k > 0 && off[k] == off[k - 1] + width ? slot[k - 1] + 1 : off[k] / width;
     for (int h = 0; h < heads; ++h) {
-      const float* head = sc.data + static_cast<int64_t>(h) * pr.page_size;  // head g0 + h: ps slots on
+      const float* head = sc.data + static_cast<int64_t>(h) * pr.page_size;
       for (int k = 0; k < n; ++k) out[h * kChunk + k] = head[slot[k]] * sign;
     }
     return;
   }
-  const int64_t g0 = sc.kind == Scales::kHead ? off[0] / width / pr.page_size % pr.Hkv : 0;
+  const int64_t g0 = slot[0] / pr.page_size % pr.Hkv;
   for (int h = 0; h < heads; ++h) {
     const float v = sc.data[sc.kind == Scales::kHead ? g0 + h : 0] * sign;
     std::fill(out + h * kChunk, out + h * kChunk + n, v);
@@ -166,6 +165,20 @@ inline void resolve_rows(const Problem& pr, int b, int g, int j0, int j1, int64_
     const int64_t base = static_cast<int64_t>(row[logical]) * page_stride + head;
     const int end = static_cast<int>(std::min<int64_t>(j1, static_cast<int64_t>(logical + 1) * ps));
     for (int slot = j % ps; j < end; ++j, ++slot) off[j - j0] = base + static_cast<int64_t>(slot) * width;
+  }
+}
+
+// Physical slots (page * Hkv + g) * page_size + slot of keys [j0, j1) of request b, KV
+// head g: where a token scale of a quantized pool sits ([P, Hkv, ps]), found through the
+// block table like the rows themselves (resolve_rows), one lookup per page.
+inline void resolve_slots(const Problem& pr, int b, int g, int j0, int j1, int64_t* slot) {
+  const int ps = pr.page_size;
+  const int32_t* row = pr.block_table + static_cast<int64_t>(b) * pr.max_pages;
+  for (int j = j0; j < j1;) {
+    const int logical = j / ps;
+    const int64_t first = (static_cast<int64_t>(row[logical]) * pr.Hkv + g) * ps;
+    const int end = std::min(j1, (logical + 1) * ps);
+    for (; j < end; ++j) slot[j - j0] = first + j % ps;
   }
 }
 
@@ -245,10 +258,12 @@ struct Scratch {
   }
 };
 
-// K and V row offsets of keys [j0, j1) into s.off and, when Dv != D, s.voff; returns
-// the V offsets (s.off itself when the two pools have rows of the same width).
+// K and V row offsets of keys [j0, j1) into s.off and, when Dv != D, s.voff (and a
+// quantized pool's slots into s.slots); returns the V offsets (s.off itself when the two
+// pools have rows of the same width).
 inline const int64_t* resolve_kv_rows(const Problem& pr, int b, int g, int j0, int j1, Scratch& s) {
   resolve_rows(pr, b, g, j0, j1, s.off.data(), pr.D);
+  if (pr.quantized) resolve_slots(pr, b, g, j0, j1, s.slots.data());
   if (pr.Dv == pr.D) return s.off.data();
   resolve_rows(pr, b, g, j0, j1, s.voff.data(), pr.Dv);
   return s.voff.data();
@@ -451,8 +466,8 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     // (exact), so each score is multiplied once.
     s.key_scales.resize(static_cast<size_t>(heads) * kChunk);
     s.value_scales.resize(static_cast<size_t>(heads) * kChunk);
-    chunk_scales(pr, pr.k_scales, off, jhi - jlo, D, heads, pr.score_sign, s.slots.data(), s.key_scales.data());
-    chunk_scales(pr, pr.v_scales, voff, jhi - jlo, Dv, heads, 1.f, s.slots.data(), s.value_scales.data());
+    chunk_scales(pr, pr.k_scales, s.slots.data(), jhi - jlo, heads, pr.score_sign, s.key_scales.data());
+    chunk_scales(pr, pr.v_scales, s.slots.data(), jhi - jlo, heads, 1.f, s.value_scales.data());
   }
   const T* zero_row = s.zero_row<T>();
   for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, head_stride, zero_row,

@@ -192,6 +192,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     pr.window = window;
     pr.block_table = bt.data<int32_t>();
     pr.context_lens = cl.data<int32_t>();
+    pr.quantized = kv_code != kKvQueryDtype;
     pr.k_scales = scales_of(k_scale);
     pr.v_scales = scales_of(v_scale);
     switch (q.dtype()) {
