@@ -6,6 +6,8 @@
 | decode: paged bandwidth fraction, S >= 8192 f32 | worst paged bandwidth_fraction over those cases (against the read limit's stream timed beside each) | >= 70%   |
 | prefill: paged vs torch SDPA                   | worst torch / paged median over prefill cases (notes torch cases above the FMA peak) | >= 1x    |
 | decode / prefill: paged vs MLX SDPA            | worst mlx_sdpa / paged median (timed cases)         | >= 10x   |
+| decode: fp8 pages vs bf16 pages, S >= 8192, B >= 4 | worst paged (bf16 pages) / paged_fp8 median, bf16 queries | >= 1.8x |
+| decode: fp8 pages bandwidth fraction, S >= 8192, B >= 4 | worst paged_fp8 bandwidth_fraction (bytes actually read: 1-byte codes) | >= 70% |
 | write: 1 GiB / 64 MiB pool                     | worst median ratio (1-token append, 128-token chunk) | <= 1.2x  |
 | serving: decode tok/s paged / dense            | from the serving trace                              | >= 1.6x  |
 | serving: peak KV bytes paged / dense           | from the serving trace                              | <= 0.55x |
@@ -70,6 +72,19 @@ def _beyond_fma(goal: dict, cases) -> dict:
     return goal
 
 
+def _pages_speedup(cases, path, keep):
+    """[(paged median / `path` median, path's case)]: how much faster the same decode runs
+    on `path`'s quantized pages than on the spec's own (bench/grid.py KV_PATHS)."""
+    paged, quantized = _timed(cases, "decode", "paged"), _timed(cases, "decode", path)
+    return [(paged[k]["median_s"] / quantized[k]["median_s"], quantized[k]) for k in quantized
+            if k in paged and keep(quantized[k])]
+
+
+def _bandwidth_bound(c: dict) -> bool:
+    """The issue's bandwidth-bound decode shapes: S >= 8192 and B >= 4."""
+    return c["context"] >= 8192 and c["batch"] >= 4
+
+
 def _fmt(value, unit) -> str:
     return f"{value:.0%}" if unit == "%" else f"{value:.2f}x"
 
@@ -93,6 +108,11 @@ def evaluate(report: dict) -> list[dict]:
                               prefill_torch), cases),
         _goal("decode: paged vs MLX SDPA", _speedup(cases, "decode", "mlx_sdpa"), 10.0),
         _goal("prefill: paged vs MLX SDPA", _speedup(cases, "prefill", "mlx_sdpa"), 10.0),
+        _goal("decode: fp8 pages vs bf16 pages, S >= 8192, B >= 4",
+              _pages_speedup(cases, "paged_fp8", lambda c: _bandwidth_bound(c) and c["dtype"] == "bfloat16"), 1.8),
+        _goal("decode: fp8 pages bandwidth fraction, S >= 8192, B >= 4",
+              [(c["bandwidth_fraction"], c) for c in _timed(cases, "decode", "paged_fp8").values()
+               if _bandwidth_bound(c)], 0.70, unit="%"),
         _goal("write: 1 GiB / 64 MiB pool, same write", writes, 1.2, at_least=False),
     ]
     serving = report.get("serving")

@@ -7,9 +7,12 @@ and `python -m bench.report`, at the Qwen3-4B attention shape (Hq 32, Hkv 8, D 1
 | quick  | report --quick (<= 5 min)     | {1,4} x {128,1024,8192} x {16,128} x {f32,bf16}    | L 512 x {16} x {f32,bf16}    |
 | smoke  | plain pytest (each path once, untimed) | (4,128,16,f32), (1,1024,128,bf16)         | L 128 x {16} x {f32}         |
 
-Paths (bench/paths.py): `paged` (ours), `dense_gather` (gather through the table, then
-dense attention: the gather is counted), `mlx_sdpa` and `torch_sdpa` (fused SDPA on
-K/V gathered beforehand). `PAGECHECK_BENCH_GRID=quick|full` picks the level for
+Paths (bench/paths.py): `paged` (ours), `paged_fp8` and `paged_int8` (ours on the same
+shape with quantized pages: float8_e4m3fn codes with one scale per tensor, as vLLM's
+fp8 KV cache; int8 codes with a scale per (token, KV head), as vLLM's Triton and
+SGLang's int8 caches), `dense_gather` (gather through the table, then dense attention:
+the gather is counted), `mlx_sdpa` and `torch_sdpa` (fused SDPA on K/V gathered
+beforehand). The query, and so the output, keeps the spec's dtype on every path. `PAGECHECK_BENCH_GRID=quick|full` picks the level for
 `pytest --benchmark-only` (default full). Skips, each with its reason (`skip_reason`):
 
 | path         | skipped when                                                         |
@@ -26,7 +29,9 @@ import os
 from dataclasses import asdict, dataclass
 
 SHAPE = dict(q_heads=32, kv_heads=8, head_dim=128)
-PATHS = ("paged", "dense_gather", "mlx_sdpa", "torch_sdpa")
+PATHS = ("paged", "paged_fp8", "paged_int8", "dense_gather", "mlx_sdpa", "torch_sdpa")
+# The quantized paths: (kv_dtype, scale granularity) of their pages (contract/kv_format.py).
+KV_PATHS = {"paged_fp8": ("float8_e4m3fn", "tensor"), "paged_int8": ("int8", "token")}
 LEVELS = ("smoke", "quick", "full")
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
@@ -58,10 +63,16 @@ class Spec:
     def describe(self) -> dict:
         return asdict(self)
 
-    def io_bytes(self) -> int:
-        """Bytes the operator must move: K/V actually read + Q + O + the table entries read."""
+    def io_bytes(self, path: str = "paged") -> int:
+        """Bytes the operator must move: K/V actually read (1-byte codes on a quantized
+        path, plus its token scales: 4 bytes per (token, KV head) for K and for V) + Q + O
+        + the table entries read."""
         h, d, size = SHAPE["q_heads"], SHAPE["head_dim"], ITEMSIZE[self.dtype]
-        kv = 2 * self.batch * self.context * SHAPE["kv_heads"] * d * size
+        rows = 2 * self.batch * self.context * SHAPE["kv_heads"]  # K and V rows read
+        if path in KV_PATHS:
+            kv = rows * (d + (4 if KV_PATHS[path][1] == "token" else 0))
+        else:
+            kv = rows * d * size
         qo = 2 * self.batch * h * self.query_len * d * size
         return kv + qo + 4 * self.batch * -(-self.context // self.page_size)
 

@@ -3,13 +3,17 @@
 | path           | what one call does (timed)                                            |
 |----------------|-----------------------------------------------------------------------|
 | `paged`        | ours: `paged_attention_with_metadata` (metadata validated once, as in serving) |
+| `paged_fp8`, `paged_int8` | the same on quantized pages of the same shape (grid.KV_PATHS: format and scale granularity) |
 | `dense_gather` | gather through the block table, then dense MLX attention (`oracles.dense`) |
 | `mlx_sdpa`     | `mx.fast.scaled_dot_product_attention` on K/V gathered beforehand      |
 | `torch_sdpa`   | `torch.nn.functional.scaled_dot_product_attention` (CPU, GQA, same dtype and thread count as ours) on K/V gathered beforehand |
 
 Every call returns its output, evaluated. `Pools` builds one pool per (page size, dtype)
 with `fixtures.paged_case` at the grid's largest batch and context, pages in random order;
-each spec reads the first `batch` rows of its table, cut at its context.
+each spec reads the first `batch` rows of its table, cut at its context. The quantized
+paths read code pools of the same shape, one per (page size, format), of random finite
+codes with random scales (`Pools.codes`): their speed does not depend on the values, and
+quantizing a 4 GiB float pool through fixtures.quantized would take minutes.
 
 Every large input a path reads — the pool, and the K/V gathered beforehand for
 `mlx_sdpa` and `torch_sdpa` — sits on 2 MiB pages (`huge_pages`), as `impl.PagePool`'s
@@ -31,7 +35,7 @@ from fixtures import paged_case
 from oracles.dense import attention as dense_attention
 from oracles.dense import dense_gather
 
-from .grid import SHAPE, Spec
+from .grid import KV_PATHS, SHAPE, Spec
 
 
 class Pools:
@@ -41,6 +45,7 @@ class Pools:
         self.max_batch = max(s.batch for s in specs)
         self.max_context = max(s.context for s in specs)
         self._key, self._base = None, None
+        self._codes = {}  # (page size, kv_dtype, granularity) -> (keys, values, k_scale, v_scale)
 
     def _pool(self, page_size: int, dtype: str):
         key = (page_size, dtype)
@@ -58,6 +63,43 @@ class Pools:
             huge_pages(base.key_pages, base.value_pages)
             self._key, self._base = key, base
         return self._base
+
+    def codes(self, page_size: int, kv_dtype: str, granularity: str):
+        """(key codes, value codes, k_scale, v_scale) of the pool's shape: random finite
+        codes (e4m3 magnitudes below the NaN code 0x7f; int8 in -127 .. 127) and scales
+        that keep the decoded values near 1 (so scores stay ordinary)."""
+        key = (page_size, kv_dtype, granularity)
+        if key not in self._codes:
+            self._codes.clear()  # one format's pools at a time, as for the float pools
+            pages = -(-self.max_context // page_size) * self.max_batch
+            shape = (pages, SHAPE["kv_heads"], page_size, SHAPE["head_dim"])
+            made = []
+            for seed in (1, 2):
+                rk = mx.random.key(page_size * 10 + seed)
+                if kv_dtype == "int8":
+                    made.append(mx.random.randint(-127, 128, shape, key=rk).astype(mx.int8))
+                else:  # e4m3 codes 0x00 .. 0x7e and their negatives, 0x80 .. 0xfe
+                    made.append(mx.random.randint(0, 0xFF, shape, key=rk).astype(mx.uint8))
+                    made[-1] = mx.where(made[-1] == 0x7F, mx.array(0x7E, dtype=mx.uint8), made[-1])
+            if granularity == "token":
+                scales = [mx.random.uniform(0.5, 1.5, shape[:3], key=mx.random.key(page_size + s)) / 127
+                          for s in (3, 4)]
+            else:
+                scales = [mx.array(2.0 ** -6), mx.array(2.0 ** -6)]  # e4m3's 448 -> 7
+            mx.eval(*made, *scales)
+            huge_pages(*made)
+            self._codes[key] = (*made, *scales)
+        return self._codes[key]
+
+    def case_for(self, spec: Spec, path: str):
+        """The case `path` runs for `spec`: on the code pools for a quantized path
+        (grid.KV_PATHS), the float pool otherwise; the same query and table either way."""
+        if path not in KV_PATHS:
+            return self.case(spec)
+        kv_dtype, granularity = KV_PATHS[path]
+        keys, values, k_scale, v_scale = self.codes(spec.page_size, kv_dtype, granularity)
+        return self.case(spec).with_(key_pages=keys, value_pages=values, kv_dtype=kv_dtype, k_scale=k_scale,
+                                     v_scale=v_scale)
 
     def case(self, spec: Spec):
         base = self._pool(spec.page_size, spec.dtype)
@@ -77,7 +119,8 @@ def _paged(case):
                                     num_pages=case.key_pages.shape[0], query_len=case.query.shape[2])
 
     def run():
-        out = impl.paged_attention_with_metadata(case.query, case.key_pages, case.value_pages, meta, mask=case.mask)
+        out = impl.paged_attention_with_metadata(case.query, case.key_pages, case.value_pages, meta, mask=case.mask,
+                                                 kv_dtype=case.kv_dtype, k_scale=case.k_scale, v_scale=case.v_scale)
         mx.eval(out)
         return out
     return run
@@ -142,7 +185,8 @@ def _torch_sdpa(case):
     return run
 
 
-MAKERS = {"paged": _paged, "dense_gather": _dense_gather, "mlx_sdpa": _mlx_sdpa, "torch_sdpa": _torch_sdpa}
+MAKERS = {"paged": _paged, "paged_fp8": _paged, "paged_int8": _paged, "dense_gather": _dense_gather,
+          "mlx_sdpa": _mlx_sdpa, "torch_sdpa": _torch_sdpa}
 
 
 def make(path: str, case):

@@ -53,8 +53,7 @@ def attention_cases(level: str, log=print) -> list[dict]:
         for spec in specs:
             skipped = {path: grid.skip_reason(spec, path) for path in grid.PATHS}
             timed = [path for path in grid.PATHS if skipped[path] is None]
-            case = pools.case(spec)
-            runs = {path: paths.make(path, case) for path in timed}
+            runs = {path: paths.make(path, pools.case_for(spec, path)) for path in timed}
             if spec.op == "decode":
                 runs[READ] = reader
             times = timing.side_by_side(runs, level)
@@ -66,10 +65,10 @@ def attention_cases(level: str, log=print) -> list[dict]:
                 if skipped[path]:
                     rows.append({**row, "skipped": skipped[path]})
                     continue
-                row.update(timing.summary(times[path]), bytes=spec.io_bytes(), flops=spec.flops(), **read)
+                row.update(timing.summary(times[path]), bytes=spec.io_bytes(path), flops=spec.flops(), **read)
                 rows.append(row)
                 log(f"  {spec.id:<36} {path:<13} {row['median_s'] * 1e3:10.3f} ms  ({row['rounds']} rounds)")
-            del case, runs, times
+            del runs, times
     finally:
         if reader is not None:
             reader.close()

@@ -9,10 +9,12 @@ Each benchmark's extra_info carries its bytes (decode) or FLOPs (prefill), so
 `--benchmark-json` holds everything needed for bandwidth and GFLOP/s.
 """
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from bench import grid, paths, timing
+from fixtures.quantized import code_values
 
 
 def _level(config) -> str:
@@ -39,9 +41,9 @@ def test_operator(request, benchmark, pools, spec, path):
     reason = grid.skip_reason(spec, path)
     if reason:
         pytest.skip(reason)
-    run = paths.make(path, pools.case(spec))
+    run = paths.make(path, pools.case_for(spec, path))
     benchmark.group = f"{spec.id}"
-    benchmark.extra_info.update(spec.describe(), path=path, bytes=spec.io_bytes(), flops=spec.flops())
+    benchmark.extra_info.update(spec.describe(), path=path, bytes=spec.io_bytes(path), flops=spec.flops())
     if benchmark.disabled:
         benchmark(run)
         return
@@ -58,6 +60,32 @@ def test_paths_agree(request, pools, spec):
     want = paths.as_numpy(paths.make("paged", case)())
     tol = 2e-2 if spec.dtype == "bfloat16" else 1e-4
     for path in grid.PATHS:
-        if grid.skip_reason(spec, path) is None:
+        if grid.skip_reason(spec, path) is None and path not in grid.KV_PATHS:
             got = paths.as_numpy(paths.make(path, case)())
             np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{path} vs paged at {spec.id}")
+
+
+def test_quantized_paths_read_their_codes(request, pools, spec):
+    """A quantized path (grid.KV_PATHS) computes attention over its pool's dequantized
+    values: `paged` on the float pool fixtures.quantized decodes from its codes agrees
+    (smoke grid only, like test_paths_agree)."""
+    if _level(request.config) != "smoke":
+        pytest.skip("checked by the smoke grid (plain pytest)")
+    tol = 2e-2 if spec.dtype == "bfloat16" else 1e-4
+    for path in grid.KV_PATHS:
+        case = pools.case_for(spec, path)
+        want = paths.as_numpy(paths.make("paged", dequantized(case))())
+        got = paths.as_numpy(paths.make(path, case)())
+        assert np.isfinite(got).all(), f"{path} at {spec.id}: the random codes must all be finite"
+        np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{path} vs paged at {spec.id}")
+
+
+def dequantized(case):
+    """The case with float32 pages holding its codes' values times their scales."""
+    def values(codes, scale):
+        x = code_values(case.kv_dtype)[np.array(codes).view(np.uint8)]
+        s = np.array(scale, dtype=np.float64)
+        s = s[..., None] if s.ndim == 3 else s[None, :, None, None] if s.ndim == 1 else s
+        return mx.array((x * s).astype(np.float32)).astype(case.dtype)
+    return case.with_(key_pages=values(case.key_pages, case.k_scale),
+                      value_pages=values(case.value_pages, case.v_scale), kv_dtype=None, k_scale=None, v_scale=None)

@@ -73,3 +73,25 @@ def test_prefill_goal_names_torch_cases_above_the_fma_peak():
     below = [c if c["path"] == "paged" else {**c, "fma_fraction": 0.9} for c in cases]
     goal = next(g for g in goals.evaluate({"cases": below}) if g["goal"] == "prefill: paged vs torch SDPA")
     assert "FMA peak" not in goal["detail"]
+
+
+def _decode(path, batch, context, dtype, median_s, fraction=0.5):
+    return {"op": "decode", "path": path, "batch": batch, "context": context, "page_size": 16, "dtype": dtype,
+            "median_s": median_s, "bandwidth_fraction": fraction}
+
+
+def test_fp8_goals_read_the_bandwidth_bound_decodes():
+    """The fp8 goals compare each quantized decode with the same spec on its own pages,
+    bf16 queries only for the speed-up and every dtype for the bandwidth, at S >= 8192 and
+    B >= 4 only: a faster small case or a float32 one must not hide a slow one."""
+    cases = [_decode("paged", 4, 8192, "bfloat16", 2.0), _decode("paged_fp8", 4, 8192, "bfloat16", 1.0, 0.9),
+             _decode("paged", 16, 32768, "bfloat16", 3.0), _decode("paged_fp8", 16, 32768, "bfloat16", 2.0, 0.6),
+             _decode("paged", 1, 8192, "bfloat16", 9.0), _decode("paged_fp8", 1, 8192, "bfloat16", 1.0, 0.1),
+             _decode("paged", 4, 1024, "bfloat16", 9.0), _decode("paged_fp8", 4, 1024, "bfloat16", 1.0, 0.1),
+             _decode("paged", 4, 8192, "float32", 9.0), _decode("paged_fp8", 4, 8192, "float32", 1.0, 0.8)]
+    by_name = {g["goal"]: g for g in goals.evaluate({"cases": cases})}
+    speed = by_name["decode: fp8 pages vs bf16 pages, S >= 8192, B >= 4"]
+    assert speed["measured"] == 1.5 and speed["met"] is False and "B16 S32768" in speed["detail"]
+    assert "median 1.75x over 2 cases" in speed["detail"]
+    bandwidth = by_name["decode: fp8 pages bandwidth fraction, S >= 8192, B >= 4"]
+    assert bandwidth["measured"] == 0.6 and bandwidth["met"] is False and "over 3 cases" in bandwidth["detail"]
