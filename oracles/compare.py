@@ -11,6 +11,12 @@ is left out of `oracle_self` / `against_oracle` and its reason kept in
 `Comparison.not_applicable` (`"sdpa"`: the whole call; `"sdpa lse"`: only the LSE, its
 output still judged and its error still the allowance's e_sdpa). Where SDPA cannot give
 the output, the allowance replaces its error by the a-priori bound E_na.
+
+With quantized pages (a `kv_dtype`) the magnitudes the allowance reads, max|V| and
+max||k||, are those of the dequantized values (`decode(code) * scale`, decoded by the
+float64 oracle's `numpy64.dequantize`), never of the codes; non-finite ones (NaN / inf
+codes, NaN token scales of unwritten slots) are left out as non-finite values are
+without a format.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import numpy as np
 
 from contract import ScorePipeline
 
-from . import MLX_ORACLES, NotApplicable, float64
+from . import MLX_ORACLES, NotApplicable, float64, numpy64
 from .tolerance import (Verdict, allowed_error, allowed_error_unmeasured, allowed_lse_error, logit_error,
                         lse_error, lse_scale, max_abs_error, ref_scale)
 
@@ -49,15 +55,25 @@ class Comparison:
         return bad
 
 
-def value_scale(value_pages) -> float:
-    v = np.array(value_pages.astype(mx.float32))
+def _values(pages, kv_dtype: str | None = None, scale=None) -> np.ndarray:
+    """What a pool holds as float64: its elements, or with a kv_dtype its codes dequantized."""
+    if kv_dtype is None:
+        return np.array(pages.astype(mx.float32), dtype=np.float64)
+    return numpy64.dequantize(np.array(pages), kv_dtype, scale)
+
+
+def value_scale(value_pages, kv_dtype: str | None = None, v_scale=None) -> float:
+    """max|V| over the finite values of the pool (1.0 when none); with a kv_dtype, of the
+    dequantized values, `v_scale` the pool's scale (shapes as in contract/kv_format.py)."""
+    v = _values(value_pages, kv_dtype, v_scale)
     finite = np.abs(v[np.isfinite(v)])
     return float(finite.max()) if finite.size else 1.0
 
 
-def _max_row_norm(x) -> float:
-    """Largest Euclidean norm of a finite row (last axis) of x; 0 when there is none."""
-    rows = np.array(x.astype(mx.float32), dtype=np.float64).reshape(-1, x.shape[-1]) if x.size else np.zeros((0, 1))
+def _max_row_norm(x, kv_dtype: str | None = None, scale=None) -> float:
+    """Largest Euclidean norm of a finite row (last axis) of x (dequantized with a kv_dtype);
+    0 when there is none."""
+    rows = _values(x, kv_dtype, scale).reshape(-1, x.shape[-1]) if x.size else np.zeros((0, 1))
     rows = rows[np.isfinite(rows).all(axis=1)]
     return float(np.sqrt((rows * rows).sum(axis=1)).max()) if rows.size else 0.0
 
@@ -72,13 +88,14 @@ def _max_abs(x) -> float:
 
 def call_logit_error(args: tuple, kwargs: dict | None = None) -> float:
     """delta of the tolerance rule for one call: Lambda = |scale| max||q|| max||k|| (finite
-    key slots of the pool), beta = max|slope| max(context_lens) + max|sigma|, n = max
-    context + 1."""
+    key slots of the pool, dequantized with a kv_dtype), beta = max|slope| max(context_lens)
+    + max|sigma|, n = max context + 1."""
     pipeline = ScorePipeline.of(kwargs)
     query, key_pages, context_lens = args[0], args[1], args[4]
     head_dim = query.shape[-1]
     scale = abs(head_dim ** -0.5 if pipeline.scale is None else float(pipeline.scale))
-    score_scale = scale * _max_row_norm(query) * _max_row_norm(key_pages)
+    kv = pipeline.kv
+    score_scale = scale * _max_row_norm(query) * _max_row_norm(key_pages, kv.dtype, kv.k_scale)
     longest = int(np.array(context_lens).max()) if context_lens.size else 0
     bias_scale = _max_abs(pipeline.alibi_slopes) * longest + _max_abs(pipeline.sinks)
     softcap = None if pipeline.softcap is None else float(pipeline.softcap)
@@ -91,7 +108,8 @@ def allowance(args: tuple, ref, sdpa_out, kwargs: dict | None = None):
     (SDPA not applicable): E_na replaces SDPA's error. `ref` the pair (out, lse) of a
     return_lse call: the pair (output allowance, LSE allowance)."""
     ref_out, ref_lse = ref if isinstance(ref, tuple) else (ref, None)
-    dtype, values = args[0].dtype, value_scale(args[2])
+    kv = ScorePipeline.of(kwargs).kv
+    dtype, values = args[0].dtype, value_scale(args[2], kv.dtype, kv.v_scale)
     if sdpa_out is None:
         allowed = allowed_error_unmeasured(dtype, ref_out, call_logit_error(args, kwargs), values)
     else:

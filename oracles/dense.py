@@ -8,13 +8,67 @@ The score pipeline is applied to the whole padded score block at once (cap, ALiB
 bias, mask to -inf, `mx.softmax`); a sink is not a column of it: the keys' softmax
 output is rescaled by their share `d_keys / (d_keys + e^sigma) = sigmoid(lse_keys - sigma)`
 and the LSE is `logaddexp(lse_keys, sigma)` (`mx.logsumexp` over the keys).
+
+Quantized pages (contract/kv_format.py) are dequantized as a whole pool before the
+gather (which zeroes what no request may read, NaN codes included): each code indexes a
+256-entry table of its format's values, built with `np.ldexp` from the integer
+significand and the exponent,
+
+| format   | code c = s eeee mmm / s eeeee mm              | table[c]                                       |
+|----------|-----------------------------------------------|------------------------------------------------|
+| e4m3fn   | e = (c >> 3) & 15, m = c & 7                  | ldexp(m + 8 [e > 0], max(e, 1) - 10); c & 0x7f = 0x7f NaN |
+| e5m2     | e = (c >> 2) & 31, m = c & 3                  | ldexp(m + 4 [e > 0], max(e, 1) - 17); e = 31: inf (m = 0), NaN |
+| int8     | the byte c (the code viewed as uint8)         | c - 256 [c >= 128]                             |
+
+(negated when the sign bit is set), gathered with `mx.take` and times the scale
+broadcast over the pool (`[]`, `[Hkv]` per KV head, `[P, Hkv, ps]` per physical slot).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from contract import ScorePipeline
+
+
+# fp8 format -> (exponent bits, mantissa bits, bias)
+_LAYOUT = {"float8_e4m3fn": (4, 3, 7), "float8_e5m2": (5, 2, 15)}
+
+
+def code_table(kv_dtype: str) -> np.ndarray:
+    """float64 [256]: the value of each code byte 0..255 of the format (int8: the byte as signed)."""
+    c = np.arange(256)
+    if kv_dtype == "int8":
+        return np.where(c >= 128, c - 256, c).astype(np.float64)
+    E, M, bias = _LAYOUT[kv_dtype]
+    e, m = (c >> M) & ((1 << E) - 1), c & ((1 << M) - 1)
+    significand = m + np.where(e > 0, 1 << M, 0)  # the implicit leading 1 of a normal number
+    table = np.ldexp(significand.astype(np.float64), np.maximum(e, 1) - bias - M)
+    top = e == (1 << E) - 1
+    if kv_dtype == "float8_e4m3fn":
+        table[top & (m == (1 << M) - 1)] = np.nan
+    else:
+        table[top] = np.where(m[top] == 0, np.inf, np.nan)
+    return np.where(c >= 128, -table, table)
+
+
+def dequantize(pages, kv_dtype: str, scale) -> mx.array:
+    """float32 pool: table[code] times the scale broadcast over `[P, Hkv, ps, D]`."""
+    want = mx.int8 if kv_dtype == "int8" else mx.uint8
+    if pages.dtype != want:
+        raise ValueError(f"{kv_dtype} pages hold {want} codes, got {pages.dtype}")
+    table = mx.array(code_table(kv_dtype).astype(np.float32))
+    values = mx.take(table, pages.view(mx.uint8) if kv_dtype == "int8" else pages)
+    s = mx.array(1.0 if scale is None else scale).astype(mx.float32)
+    P, hkv, ps = pages.shape[:3]
+    if s.shape == (hkv,):
+        s = s.reshape(1, hkv, 1, 1)
+    elif s.shape == (P, hkv, ps):
+        s = s[..., None]
+    elif s.ndim != 0:
+        raise ValueError(f"a scale must have shape [], [Hkv] or [P, Hkv, ps], got {list(s.shape)}")
+    return values * s
 
 
 def dense_gather(key_pages, value_pages, block_table, context_lens, page_size):
@@ -90,5 +144,11 @@ def dense_attention(query, keys, values, context_lens, **options):
 
 
 def attention(query, key_pages, value_pages, block_table, context_lens, page_size, **options):
+    pipeline = ScorePipeline.of(options)
+    kv = pipeline.kv
+    if kv.quantized:
+        key_pages = dequantize(key_pages, kv.dtype, kv.k_scale)
+        value_pages = dequantize(value_pages, kv.dtype, kv.v_scale)
+        options = pipeline.with_(kv_dtype=None, k_scale=None, v_scale=None).kwargs()  # float K/V from here on
     keys, values, _ = dense_gather(key_pages, value_pages, block_table, context_lens, page_size)
     return dense_attention(query, keys, values, context_lens, **options)

@@ -5,6 +5,19 @@ spelled out: scores, soft-cap (`c * tanh(s / c)`: MLX's tanh saturates, no exp),
 bias, mask, softmax (max-shifted exp over its sum, the sink's `e^(sigma - m)` added to
 the sum and `sigma` to the max), weighted sum, LSE `m + log(sum)`, all in float32, the
 output cast once to the query's dtype.
+
+Quantized pages (contract/kv_format.py): the request's codes and their scales are taken
+through the same table row, then decoded with integer bit operations into float16 bit
+patterns, which MLX reinterprets (`view`) and widens to float32 exactly:
+
+| format   | float16 bits built from code c                | value                      |
+|----------|-----------------------------------------------|----------------------------|
+| e5m2     | `c << 8` (the top byte of a float16)          | as is (inf, NaN included)  |
+| e4m3fn   | sign `(c & 0x80) << 8` OR `(c & 0x7f) << 7`: exponent field 0eeee, mantissa mmm0000000 | times 2^8 (bias 15 vs 7; subnormals line up too: 2^-14 vs 2^-6); `c & 0x7f == 0x7f` NaN |
+| int8     | (none)                                        | the integer, `astype`      |
+
+then times the scale: `[]` everywhere, `[Hkv]` per KV head, `[P, Hkv, ps]` taken with the
+codes' own pages.
 """
 
 from __future__ import annotations
@@ -19,6 +32,44 @@ def _gather(pages, table_row, n_pages, ctx):
     picked = mx.take(pages, table_row[:n_pages], axis=0)  # [n_pages, Hkv, ps, D]
     n, hkv, ps, d = picked.shape
     return picked.transpose(1, 0, 2, 3).reshape(hkv, n * ps, d)[:, :ctx, :]
+
+
+def decode(codes, kv_dtype: str) -> mx.array:
+    """float32 values of the codes (uint8 bit patterns for fp8, int8 for int8), unscaled."""
+    if codes.dtype != (mx.int8 if kv_dtype == "int8" else mx.uint8):
+        raise ValueError(f"{kv_dtype} pages hold {'int8' if kv_dtype == 'int8' else 'uint8'} codes, got {codes.dtype}")
+    if kv_dtype == "int8":
+        return codes.astype(mx.float32)
+    c = codes.astype(mx.uint16)
+    if kv_dtype == "float8_e5m2":
+        return (c << 8).view(mx.float16).astype(mx.float32)
+    if kv_dtype == "float8_e4m3fn":
+        half = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
+        value = half.view(mx.float16).astype(mx.float32) * 256.0
+        return mx.where((c & 0x7F) == 0x7F, mx.nan, value)
+    raise ValueError(f"unknown kv_dtype {kv_dtype!r}")
+
+
+def _gather_scale(scale, table_row, n_pages, ctx, pages_shape):
+    """The scale of each gathered element, broadcastable to `[Hkv, ctx, D]`."""
+    s = mx.array(1.0 if scale is None else scale).astype(mx.float32)
+    P, hkv, ps = pages_shape[:3]
+    if s.ndim == 0:
+        return s
+    if s.shape == (hkv,):
+        return s[:, None, None]
+    if s.shape == (P, hkv, ps):
+        picked = mx.take(s, table_row[:n_pages], axis=0)  # [n_pages, Hkv, ps]: the physical slots
+        return picked.transpose(1, 0, 2).reshape(hkv, n_pages * ps)[:, :ctx, None]
+    raise ValueError(f"a scale must have shape [], [Hkv] or [P, Hkv, ps], got {list(s.shape)}")
+
+
+def _gather_values(pages, table_row, n_pages, ctx, kv_dtype, scale):
+    """[Hkv, ctx, D] float32: the request's keys or values, decoded and scaled when quantized."""
+    picked = _gather(pages, table_row, n_pages, ctx)
+    if kv_dtype is None:
+        return picked.astype(mx.float32)
+    return decode(picked, kv_dtype) * _gather_scale(scale, table_row, n_pages, ctx, pages.shape)
 
 
 def _per_head(x):
@@ -40,8 +91,8 @@ def attention(query, key_pages, value_pages, block_table, context_lens, page_siz
             lses.append(mx.full((Hq, L), -mx.inf, dtype=mx.float32))
             continue
         n_pages = -(-ctx // page_size)
-        k = _gather(key_pages, block_table[b], n_pages, ctx).astype(mx.float32)
-        v = _gather(value_pages, block_table[b], n_pages, ctx).astype(mx.float32)
+        k = _gather_values(key_pages, block_table[b], n_pages, ctx, opts.kv_dtype, opts.k_scale)
+        v = _gather_values(value_pages, block_table[b], n_pages, ctx, opts.kv_dtype, opts.v_scale)
         k = mx.repeat(k, group, axis=0)  # query head h reads KV head h // group
         v = mx.repeat(v, group, axis=0)
         q = query[b].astype(mx.float32)  # [Hq, L, Dk]

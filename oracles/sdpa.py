@@ -18,6 +18,19 @@ An additive mask and the sinks must be in the query's dtype (MLX: "must promote 
 output type"), so for float16 / bfloat16 they are passed rounded to that dtype only when
 the rounding is exact; otherwise SDPA would answer a different call, and it says
 `NotApplicable` instead.
+
+Quantized pages (contract/kv_format.py): SDPA takes no codes and no scales, and the
+dequantized values (a code times a float32 scale) are in general not representable in a
+half type, so each page is decoded here to float32 and SDPA runs in float32 with the
+query widened (exactly), its output cast once to the query's dtype; the mask and sinks
+are then float32 and always exact. The decode, page by page with that page's scale
+(`[]`, `[Hkv]` per KV head, `[P, Hkv, ps]` at the page's own slots):
+
+| format   | decode(c)                                                                  |
+|----------|----------------------------------------------------------------------------|
+| e4m3fn   | `mx.from_fp8(c, float32)` (MLX's own e4m3 converter)                       |
+| e5m2     | float arithmetic on the fields: e = (c // 4) % 32, m = c % 4; m * 2^-16 (e = 0), (4 + m) * 2^(e - 17), inf / NaN (e = 31); negated for c >= 128 |
+| int8     | the integer, `astype`                                                      |
 """
 
 from __future__ import annotations
@@ -40,6 +53,39 @@ def _in_dtype(x: mx.array, dtype, what: str) -> mx.array:
     return rounded
 
 
+def decode(codes: mx.array, kv_dtype: str) -> mx.array:
+    """float32 values of the codes (uint8 bit patterns for fp8, int8 for int8), unscaled."""
+    if codes.dtype != (mx.int8 if kv_dtype == "int8" else mx.uint8):
+        raise ValueError(f"{kv_dtype} pages hold {'int8' if kv_dtype == 'int8' else 'uint8'} codes, got {codes.dtype}")
+    if kv_dtype == "int8":
+        return codes.astype(mx.float32)
+    if kv_dtype == "float8_e4m3fn":
+        return mx.from_fp8(codes, mx.float32)
+    if kv_dtype != "float8_e5m2":
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}")
+    c = codes.astype(mx.int32)
+    e, m = (c // 4) % 32, (c % 4).astype(mx.float32)
+    normal = (m + 4.0) * mx.power(mx.array(2.0), (e - 17).astype(mx.float32))
+    magnitude = mx.where(e == 0, m * 2.0 ** -16, normal)
+    magnitude = mx.where(e == 31, mx.where(m == 0, mx.inf, mx.nan), magnitude)
+    return mx.where(c >= 128, -magnitude, magnitude)
+
+
+def _page_values(pages: mx.array, p: int, kv_dtype: str | None, scale) -> mx.array:
+    """Page p as `[Hkv, ps, D]`: as stored, or decoded and scaled to float32."""
+    if kv_dtype is None:
+        return pages[p]
+    s = mx.array(1.0 if scale is None else scale).astype(mx.float32)
+    P, hkv, ps = pages.shape[:3]
+    if s.shape == (hkv,):
+        s = s[:, None, None]
+    elif s.shape == (P, hkv, ps):
+        s = s[p][..., None]
+    elif s.ndim != 0:
+        raise ValueError(f"a scale must have shape [], [Hkv] or [P, Hkv, ps], got {list(s.shape)}")
+    return decode(pages[p], kv_dtype) * s
+
+
 def attention(query, key_pages, value_pages, block_table, context_lens, page_size, **options) -> mx.array:
     opts = ScorePipeline.of(options)
     if opts.softcap is not None:
@@ -49,9 +95,11 @@ def attention(query, key_pages, value_pages, block_table, context_lens, page_siz
     B, Hq, L, D = query.shape
     Dv = value_pages.shape[-1]
     scale = D ** -0.5 if opts.scale is None else opts.scale
+    kv = opts.kv
+    compute = mx.float32 if kv.quantized else query.dtype  # SDPA's dtype: K/V's
     sinks = None
     if opts.sinks is not None:
-        sinks = _in_dtype(mx.array(opts.sinks).astype(mx.float32), query.dtype, "sinks")
+        sinks = _in_dtype(mx.array(opts.sinks).astype(mx.float32), compute, "sinks")
     slopes = None if opts.alibi_slopes is None else mx.array(opts.alibi_slopes).astype(mx.float32)[:, None, None]
     table = block_table.tolist()
     lens = context_lens.tolist()
@@ -62,8 +110,9 @@ def attention(query, key_pages, value_pages, block_table, context_lens, page_siz
             outs.append(mx.zeros((Hq, L, Dv), dtype=query.dtype))
             continue
         pages = table[b][: -(-ctx // page_size)]
-        k = mx.concatenate([key_pages[p] for p in pages], axis=1)[None, :, :ctx]
-        v = mx.concatenate([value_pages[p] for p in pages], axis=1)[None, :, :ctx]
+        k = mx.concatenate([_page_values(key_pages, p, kv.dtype, kv.k_scale) for p in pages], axis=1)
+        v = mx.concatenate([_page_values(value_pages, p, kv.dtype, kv.v_scale) for p in pages], axis=1)
+        k, v = k[None, :, :ctx], v[None, :, :ctx]
         row = mx.arange(ctx - L, ctx)[:, None]
         col = mx.arange(ctx)[None, :]
         allowed = None
@@ -76,7 +125,8 @@ def attention(query, key_pages, value_pages, block_table, context_lens, page_siz
             bias = slopes * (col - row).astype(mx.float32)
             if allowed is not None:
                 bias = mx.where(allowed, bias, -mx.inf)
-            mask = _in_dtype(bias, query.dtype, "ALiBi biases")[None]
-        outs.append(mx.fast.scaled_dot_product_attention(query[b:b + 1], k, v, scale=scale, mask=mask,
-                                                         sinks=sinks)[0])
+            mask = _in_dtype(bias, compute, "ALiBi biases")[None]
+        q = query[b:b + 1].astype(compute)
+        outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)[0]
+                    .astype(query.dtype))
     return mx.stack(outs) if outs else mx.zeros((B, Hq, L, Dv), dtype=query.dtype)  # B = 0: empty

@@ -15,6 +15,17 @@ An output `out` of dtype T passes against the float64 oracle `ref` when
   float32 accumulation in another order and an exp accurate to a few ulps. Outputs are
   convex mixes of value rows, so max|V| (over the slots requests may read) bounds them.
 
+## Quantized K/V pages (kv_dtype: fp8 e4m3fn / e5m2, int8 with scales)
+
+The kernel's job is exact attention over the dequantized values `decode(code) * scale`
+(contract/kv_format.py), so the rule above applies unchanged with the dequantized K/V in
+place of the pages: `ref` is the float64 oracle over them, max|V| and max||k|| (Lambda
+below) are the dequantized values' (oracles/compare.py; NaN / inf codes of unwritten
+slots left out like any non-finite value), and SDPA (oracle c) runs in float32 on its
+own decode of them with the query widened, its output rounded once to T. The rounding
+of the K/V to 8 bits is not the kernel's error and is not allowed for here: it is
+reported apart (`oracles.quantization_error`, against the unquantized K/V, per format).
+
 What this cannot see: one-ulp differences (a reciprocal multiply instead of a divide).
 Those are caught by the bitwise invariants (batch, thread, prefill == decode), not here.
 A wrong key, page, head, mask or window moves the output by O(max|V| / context), orders
