@@ -40,14 +40,14 @@ from .runtime import KERNEL_STREAM
 from .validation import KernelOptions, PagedMetadata, check_arrays, check_pipeline
 
 # kv_dtype -> the kernel's element code (paged_attention.h KvCode)
-_KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
+KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
 
 
 def _run(query, key_pages, value_pages, metadata: PagedMetadata, opts: KernelOptions):
     out, lse = _kernels.paged_attention(query, key_pages, value_pages, metadata.block_table,
                                         metadata.context_lens, metadata.page_size, opts.scale, opts.causal,
                                         opts.window, opts.softcap, opts.alibi_slopes, opts.sinks,
-                                        _KV_CODES[opts.kv_dtype], opts.k_scale, opts.v_scale, stream=KERNEL_STREAM)
+                                        KV_CODES[opts.kv_dtype], opts.k_scale, opts.v_scale, stream=KERNEL_STREAM)
     # The kernel always writes the lse beside the output (the same merge makes both);
     # a caller that did not ask gets the output alone, as in the first contract.
     return (out, lse) if opts.return_lse else out

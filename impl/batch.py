@@ -10,7 +10,7 @@ slots the new K/V rows go to. Per layer the step only writes and attends.
 | `metadata`   | block table and context lengths for the operator         | `PagedMetadata`    |
 | `positions`  | absolute position of each request's first new row        | int32 `[B]`        |
 | `write(l, k, v)` | stores the step's new K/V of layer l                 | `[B, Hkv, L, D]`   |
-| `attend(l, q)`   | paged attention of the step's queries over layer l   | `[B, Hq, L, D]`    |
+| `attend(l, q)`   | paged attention of the step's queries over layer l (quantized pools: with their `kv_options`) | `[B, Hq, L, D]` |
 """
 
 from __future__ import annotations
@@ -59,4 +59,4 @@ class StepBatch:
     def attend(self, layer: int, queries: mx.array, *, scale=None, window=None, sinks=None) -> mx.array:
         return paged_attention_with_metadata(queries, self.pool.keys(layer), self.pool.values(layer),
                                              self.metadata, scale=scale, mask="causal", window=window,
-                                             sinks=sinks)
+                                             sinks=sinks, **self.pool.kv_options(layer))

@@ -54,7 +54,9 @@ class ServingError(ValueError):
     | `layer`          | a layer index outside `[0, num_layers)`                        |
     | `slot`           | a write to a slot outside the pool, into a free page, or twice in one call |
     | `append_shape`   | new K/V rows whose shape does not fit the pool or the slots    |
-    | `append_dtype`   | new K/V rows whose dtype differs from the pool's               |
+    | `append_dtype`   | new K/V rows whose dtype differs from the pool's rows' dtype (`PagePool.dtype`) |
+    | `kv_dtype`       | a pool's unknown `kv_dtype`, or a quantized pool's `fill` other than NaN or 0.0 |
+    | `kv_scale`       | a pool's `scales` not tensor / head / token, or `k_scale` / `v_scale` of the wrong shape or dtype, not finite float32 values > 0, given for token scales or without a `kv_dtype` |
     | `shared_write`   | a raw write into a page other holders share (use the cache: it copies first) |
     | `released`       | using a paged cache after `release()`                         |
     | `request`        | a request id the scheduler does not know, or one given twice  |

@@ -2,18 +2,41 @@
 
 | symbol          | meaning                                              | type / shape                    |
 |-----------------|------------------------------------------------------|---------------------------------|
-| `keys(l)`       | layer l's key pages, the operator's `key_pages`      | dtype `[P, Hkv, page_size, D]`  |
-| `values(l)`     | layer l's value pages                                | dtype `[P, Hkv, page_size, D]`  |
+| `keys(l)`       | layer l's key pages, the operator's `key_pages`      | page dtype `[P, Hkv, page_size, D]` |
+| `values(l)`     | layer l's value pages                                | page dtype `[P, Hkv, page_size, D]` |
+| `kv_options(l)` | the operator's `kv_dtype`, `k_scale`, `v_scale` for layer l (`{}` unquantized) | dict |
 | page id p       | one page in every layer at once                      | int in `[0, P)`                 |
 | slot            | `page * page_size + offset`, one position of a page  | int64                           |
-| `bytes_per_page`| K and V of one page over all layers                  | int                             |
+| `bytes_per_page`| K and V of one page over all layers (token scales included) | int                      |
+| `dtype`         | the rows written (and, unquantized, the pages)       | float32 / float16 / bfloat16    |
+
+Quantized pools (`kv_dtype`, contract/kv_format.py) hold 8-bit codes; a write encodes
+each element as `encode(x / s)` (impl/csrc/quantize.h: nearest code, ties to even,
+saturating at the largest finite value; NaN -> the NaN code, int8 0), in place like an
+unquantized write. The scale `s` by granularity (`scales=`):
+
+| `scales`  | `k_scale`, `v_scale` at construction                     | the operator's scale (`kv_options`) |
+|-----------|----------------------------------------------------------|-------------------------------------|
+| `tensor`  | float > 0 (every layer) or `[num_layers]`; None: 1.0      | float32 `[]`                        |
+| `head`    | `[Hkv]` (every layer) or `[num_layers, Hkv]`; None: 1.0   | float32 `[Hkv]`                     |
+| `token`   | None: each write computes its rows' scales (max abs / max finite; 1.0 for a zero row, NaN for a row with NaN or inf) and stores them in place | float32 `[P, Hkv, page_size]` |
+
+| page pool state              | codes                                    | token scale |
+|------------------------------|------------------------------------------|-------------|
+| unwritten (fill NaN) or freed with `poison_freed` | fp8: NaN code `0x7f`; int8 (no NaN): -128, which no write produces | NaN |
+| fill 0.0                     | 0                                        | 1.0         |
+
+So an unwritten fp8 slot reads NaN under any scale, an int8 one only with token scales
+(a tensor or head scaled int8 pool has no value that shows the poison: -128 marks it in
+the pool's bits, not in attention outputs).
 
 The capacity is fixed at construction (`num_pages` or `capacity_bytes`); nothing grows.
-Writes go through `pagecheck_kernels.write_slots`, which takes over the layer's buffer
-(MLX donation) and writes only the new rows. For that the pool must hold the only
-reference to a layer's arrays when the write is evaluated: callers evaluate what they
-computed from `keys(l)` / `values(l)` before the next write into layer l (the scheduler's
-engines do, once per step). Otherwise MLX copies the layer, which `pool_copies()` counts.
+Writes go through `pagecheck_kernels.write_slots` / `quantize_slots` / `write_scales`,
+which take over the layer's buffer (MLX donation) and write only the new rows. For that
+the pool must hold the only reference to a layer's arrays (pages and token scales) when
+the write is evaluated: callers evaluate what they computed from `keys(l)` / `values(l)`
+/ `kv_options(l)` before the next write into layer l (the scheduler's engines do, once per
+step). Otherwise MLX copies the layer, which `pool_copies()` counts.
 """
 
 from __future__ import annotations
@@ -25,11 +48,15 @@ import mlx.core as mx
 import numpy as np
 import pagecheck_kernels as _kernels
 
+from contract import GRANULARITIES, KV_DTYPES, storage_dtype
+
 from .allocator import PageAllocator, PoolStats
+from .attention import KV_CODES
 from .errors import ServingError
 from .runtime import KERNEL_STREAM
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+_CODE_DTYPES = {"uint8": mx.uint8, "int8": mx.int8}
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +77,8 @@ def pool_copies() -> int:
 class PagePool:
     def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, page_size: int,
                  dtype=mx.float32, num_pages: int | None = None, capacity_bytes: int | None = None,
-                 fill: float = math.nan, poison_freed: bool = False):
+                 fill: float = math.nan, poison_freed: bool = False, kv_dtype: str | None = None,
+                 scales: str = "tensor", k_scale=None, v_scale=None):
         for name, v in (("num_layers", num_layers), ("kv_heads", kv_heads),
                         ("head_dim", head_dim), ("page_size", page_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -59,7 +87,12 @@ class PagePool:
             raise ServingError("append_dtype", f"pool dtype must be float32, float16 or bfloat16, got {dtype}")
         self.num_layers, self.kv_heads, self.head_dim, self.page_size = num_layers, kv_heads, head_dim, page_size
         self.dtype = dtype
-        self.bytes_per_page = 2 * num_layers * kv_heads * page_size * head_dim * dtype.size
+        self.kv_dtype, self.granularity = _check_format(kv_dtype, scales, fill)
+        per_layer = [_layer_scales(name, x, self.granularity, num_layers, kv_heads)
+                     for name, x in (("k_scale", k_scale), ("v_scale", v_scale))]
+        self.page_dtype = dtype if kv_dtype is None else _CODE_DTYPES[storage_dtype(kv_dtype)]
+        token_bytes = 4 if self.granularity == "token" else 0
+        self.bytes_per_page = 2 * num_layers * kv_heads * page_size * (head_dim * self.page_dtype.size + token_bytes)
         if (num_pages is None) == (capacity_bytes is None):
             raise ServingError("capacity", "give exactly one of num_pages and capacity_bytes")
         if num_pages is None:
@@ -72,9 +105,15 @@ class PagePool:
         self.poison_freed = poison_freed
         self.allocator = PageAllocator(num_pages)
         shape = (num_pages, kv_heads, page_size, head_dim)
-        self._keys = [mx.full(shape, fill, dtype=dtype) for _ in range(num_layers)]
-        self._values = [mx.full(shape, fill, dtype=dtype) for _ in range(num_layers)]
-        mx.eval(self._keys, self._values)
+        code = fill if kv_dtype is None else (0 if fill == 0 else _poison_code(kv_dtype))
+        self._keys = [mx.full(shape, code, dtype=self.page_dtype) for _ in range(num_layers)]
+        self._values = [mx.full(shape, code, dtype=self.page_dtype) for _ in range(num_layers)]
+        # Token scales are pool state like the pages (written in place); tensor and head
+        # scales are the same constant arrays for the pool's life.
+        self._k_scales, self._v_scales = per_layer if self.granularity != "token" else (
+            [mx.full(shape[:3], 1.0 if fill == 0 else math.nan, dtype=mx.float32) for _ in range(num_layers)]
+            for _ in range(2))
+        mx.eval(self._keys, self._values, self._k_scales, self._v_scales)
         # On 2 MiB pages where Linux allows (writes stay in place, so they stay there): a
         # decode jumps between scattered pages, and with 4 KiB pages each jump is a page
         # walk (B 4, S 32768, page 16, f32 from DRAM: 45.7 -> 41.8 ms).
@@ -87,6 +126,15 @@ class PagePool:
 
     def values(self, layer: int) -> mx.array:
         return self._values[self._check_layer(layer)]
+
+    def kv_options(self, layer: int) -> dict:
+        """Keyword arguments of `impl.paged_attention` for layer l's pages: `kv_dtype`,
+        `k_scale`, `v_scale` (float32 `[]`, `[Hkv]` or `[P, Hkv, page_size]`); `{}` for an
+        unquantized pool, so `paged_attention(..., **pool.kv_options(l))` fits both."""
+        layer = self._check_layer(layer)
+        if self.kv_dtype is None:
+            return {}
+        return dict(kv_dtype=self.kv_dtype, k_scale=self._k_scales[layer], v_scale=self._v_scales[layer])
 
     @property
     def capacity_bytes(self) -> int:
@@ -123,7 +171,9 @@ class PagePool:
         Every slot must lie in a live page held by one owner (a cache copies a shared
         page before writing into it) and appear once. Checked before anything is
         written; `slots` may be a `Slots` from `prepare_slots`, checked again only if
-        pages were allocated, shared or freed since.
+        pages were allocated, shared or freed since. Rows have the pool's `dtype`; a
+        quantized pool encodes them (module docstring) and, with token scales, stores
+        each (token, KV head) row's scale at its slot.
         """
         layer = self._check_layer(layer)
         if not isinstance(slots, Slots) or slots.allocator is not self.allocator \
@@ -141,7 +191,26 @@ class PagePool:
         if len(slots.host) == 0:
             return
         ids = slots.device
-        self._update(layer, lambda pages, rows: _kernels.write_slots(pages, rows, ids, stream=KERNEL_STREAM), keys, values)
+        if self.kv_dtype is None:
+            write = lambda pages, rows: _kernels.write_slots(pages, rows, ids, stream=KERNEL_STREAM)  # noqa: E731
+            self._replace(self._keys, layer, write, keys)
+            self._replace(self._values, layer, write, values)
+            return
+        self._quantize(self._keys, self._k_scales, layer, ids, keys)
+        self._quantize(self._values, self._v_scales, layer, ids, values)
+
+    def _quantize(self, pages: list, scales: list, layer: int, ids: mx.array, rows: mx.array) -> None:
+        """Encodes rows into `pages[layer]` at the slots `ids`; with token scales, first
+        computes each row's scale and stores it in `scales[layer]` (its own in-place
+        primitive: one output per primitive, see pool_update.h)."""
+        code = KV_CODES[self.kv_dtype]
+        if self.granularity == "token":
+            s = _kernels.row_scales(rows, code, stream=KERNEL_STREAM)
+            self._replace(scales, layer, lambda old, r: _kernels.write_scales(old, r, ids, stream=KERNEL_STREAM), s)
+        else:
+            s = scales[layer]
+        self._replace(pages, layer, lambda old, r: _kernels.quantize_slots(old, r, ids, s, code,
+                                                                           stream=KERNEL_STREAM), rows)
 
     def copy_pages(self, src, dst) -> None:
         """Copies page src[i] into dst[i] in every layer (the copy of copy-on-write)."""
@@ -161,27 +230,41 @@ class PagePool:
         if not src:
             return
         s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+        copy = lambda pages, _: _kernels.copy_pages(pages, s, d, stream=KERNEL_STREAM)  # noqa: E731
+        # A page's token scales are part of it: a copy without them would decode the
+        # copied codes with the destination's stale scales.
+        arrays = [self._keys, self._values] + ([self._k_scales, self._v_scales] if self.granularity == "token" else [])
         for layer in range(self.num_layers):
-            self._update(layer, lambda pages, _: _kernels.copy_pages(pages, s, d, stream=KERNEL_STREAM), None, None)
+            for per_layer in arrays:
+                self._replace(per_layer, layer, copy, None)
         self.allocator.pages_copied += len(src)
 
-    def _update(self, layer, op, keys, values) -> None:
-        # The pool drops its own reference before MLX evaluates the update, so the kernel
-        # can take the buffer over (see module docstring). Lazy: no host sync here.
-        k, self._keys[layer] = self._keys[layer], None
-        self._keys[layer] = op(k, keys)
-        del k
-        v, self._values[layer] = self._values[layer], None
-        self._values[layer] = op(v, values)
-        del v
+    @staticmethod
+    def _replace(arrays: list, layer: int, op, rows) -> None:
+        """arrays[layer] = op(arrays[layer], rows), with the pool's own reference dropped
+        before MLX evaluates the update, so the kernel can take the buffer over (see
+        module docstring). Lazy: no host sync here."""
+        old, arrays[layer] = arrays[layer], None
+        arrays[layer] = op(old, rows)
+        del old
 
     def _poison(self, pages) -> None:
+        """The unwritten state (module docstring) in every slot of `pages`, every layer."""
         ps = self.page_size
         slots = [p * ps + o for p in pages for o in range(ps)]
-        rows = mx.full((len(slots), self.kv_heads, self.head_dim), math.nan, dtype=self.dtype)
+        fill = math.nan if self.kv_dtype is None else _poison_code(self.kv_dtype)
+        rows = mx.full((len(slots), self.kv_heads, self.head_dim), fill, dtype=self.page_dtype)
         slot_ids = mx.array(np.asarray(slots, dtype=np.int64))
+        write = lambda pg, r: _kernels.write_slots(pg, r, slot_ids, stream=KERNEL_STREAM)  # noqa: E731
         for layer in range(self.num_layers):
-            self._update(layer, lambda pg, r: _kernels.write_slots(pg, r, slot_ids, stream=KERNEL_STREAM), rows, rows)
+            self._replace(self._keys, layer, write, rows)
+            self._replace(self._values, layer, write, rows)
+        if self.granularity == "token":
+            nan = mx.full((len(slots), self.kv_heads), math.nan, dtype=mx.float32)
+            write_nan = lambda sc, r: _kernels.write_scales(sc, r, slot_ids, stream=KERNEL_STREAM)  # noqa: E731
+            for layer in range(self.num_layers):
+                self._replace(self._k_scales, layer, write_nan, nan)
+                self._replace(self._v_scales, layer, write_nan, nan)
 
     def _check_layer(self, layer) -> int:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
@@ -206,3 +289,67 @@ class PagePool:
             if refs > 1:
                 raise ServingError("shared_write", f"page {p} is shared by {refs} holders; copy it before writing")
         return arr
+
+
+def _poison_code(kv_dtype: str) -> int:
+    """An unwritten slot's code: the NaN code 0x7f of both fp8 formats; int8 has no NaN,
+    so -128, the one code the symmetric write path never produces."""
+    return -128 if kv_dtype == "int8" else 0x7F
+
+
+def _check_format(kv_dtype, scales, fill) -> tuple[str | None, str | None]:
+    """(kv_dtype, granularity) of a pool, or ServingError: an unknown format or
+    granularity, scales without a format, or a quantized pool's fill other than NaN
+    (the poison) or 0.0."""
+    if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES):
+        raise ServingError("kv_dtype", f"kv_dtype must be None or one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if not isinstance(scales, str) or scales not in GRANULARITIES:
+        raise ServingError("kv_scale", f"scales must be one of {', '.join(GRANULARITIES)}, got {scales!r}")
+    if kv_dtype is None:
+        if scales != "tensor":
+            raise ServingError("kv_scale", f"scales={scales!r} needs a kv_dtype (an unquantized pool has no scales)")
+        return None, None
+    if not (isinstance(fill, (int, float)) and (math.isnan(fill) or fill == 0)):
+        raise ServingError("kv_dtype", f"a {kv_dtype} pool starts poisoned (fill NaN) or zero (fill 0.0), "
+                                       f"got fill={fill!r}")
+    return kv_dtype, scales
+
+
+_SCALE_SHAPES = {"tensor": lambda layers, heads: ((), (layers,)),
+                 "head": lambda layers, heads: ((heads,), (layers, heads))}
+
+
+def _layer_scales(name: str, x, granularity: str | None, num_layers: int, kv_heads: int) -> list | None:
+    """Per layer, the float32 mx array of a tensor or head scale given at construction
+    (module docstring table), or ServingError("kv_scale"); None where the pool has no
+    constant scales (unquantized, or token scales)."""
+    if granularity is None or granularity == "token":
+        if x is not None:
+            why = "token scales are computed by the writes" if granularity else "an unquantized pool has no scales"
+            raise ServingError("kv_scale", f"{name} given, but {why}")
+        return None
+    one, every = _SCALE_SHAPES[granularity](num_layers, kv_heads)
+    if x is None:
+        x = np.ones(one, dtype=np.float32)
+    if isinstance(x, (mx.array, np.ndarray)) and _dtype_name(x.dtype) != "float32":
+        raise ServingError("kv_scale", f"{name} must be float32, got {_dtype_name(x.dtype)}")
+    try:
+        arr = np.asarray(x)
+        if arr.dtype.kind not in "iuf":  # bools, strings, objects: not a scale
+            raise TypeError
+        arr = arr.astype(np.float64)
+    except (TypeError, ValueError):
+        raise ServingError("kv_scale", f"{name} must be a number or an array of numbers, got {x!r}") from None
+    if arr.shape not in (one, every):
+        raise ServingError("kv_scale", f"{granularity} {name} must have shape {list(one)} (every layer) or "
+                                       f"{list(every)}, got {list(arr.shape)}")
+    with np.errstate(over="ignore"):  # a value past float32's range becomes inf: rejected below
+        f32 = arr.astype(np.float32)
+    if not (np.isfinite(f32).all() and (f32 > 0).all()):
+        raise ServingError("kv_scale", f"{name} must be finite float32 values > 0, got {arr.ravel()[:4].tolist()}")
+    f32 = np.broadcast_to(f32, every)
+    return [mx.array(np.array(f32[layer], dtype=np.float32)) for layer in range(num_layers)]
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]

@@ -85,14 +85,20 @@ def test_builtin_schedules_the_kernel_on_the_cpu_stream(path, monkeypatch):
     assert bits(out) == want
 
 
-def test_pool_updates_are_scheduled_on_the_cpu_stream(monkeypatch):
-    """The pool's in-place writes and page copies are primitives of their own (no GPU
-    kernel either): each must pin the CPU stream, as attention does."""
+@pytest.mark.parametrize("quantized,names", [
+    ({}, {"write_slots", "copy_pages"}),
+    ({"kv_dtype": "int8", "scales": "token"}, {"write_slots", "copy_pages", "quantize_slots", "row_scales",
+                                                "write_scales"})], ids=["float", "int8-token"])
+def test_pool_updates_are_scheduled_on_the_cpu_stream(monkeypatch, quantized, names):
+    """The pool's in-place writes and page copies (and a quantized pool's encoding, row
+    scales and token-scale writes) are primitives of their own (no GPU kernel either):
+    each must pin the CPU stream, as attention does."""
     from fixtures.serving import pool_rows
 
-    pool = impl.pool.PagePool(num_layers=1, kv_heads=2, head_dim=8, page_size=4, num_pages=6, poison_freed=True)
+    pool = impl.pool.PagePool(num_layers=1, kv_heads=2, head_dim=8, page_size=4, num_pages=6, poison_freed=True,
+                              **quantized)
     seen = []
-    for name in ("write_slots", "copy_pages"):
+    for name in names:
         real = getattr(pagecheck_kernels, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -104,8 +110,8 @@ def test_pool_updates_are_scheduled_on_the_cpu_stream(monkeypatch):
     pool.write(0, [0, 5], pool_rows(pool, 2), pool_rows(pool, 2, seed=1))
     pool.copy_pages([0], [2])
     pool.free([1])  # poison_freed: NaN written through write_slots
-    mx.eval(pool.keys(0), pool.values(0))
-    assert {name for name, _ in seen} == {"write_slots", "copy_pages"}, seen
+    mx.eval(pool.keys(0), pool.values(0), list(pool.kv_options(0).values())[1:])
+    assert {name for name, _ in seen} == names, seen
     assert all(_names_the_cpu(stream) for _, stream in seen), f"a pool update left on the default stream: {seen}"
 
 

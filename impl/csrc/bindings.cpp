@@ -25,6 +25,14 @@ NB_MODULE(_kernels, m) {
         "stream"_a = nb::none(), "Unvalidated in-place slot write; use impl.PagePool instead.");
   m.def("copy_pages", &pagecheck::copy_pages, "pages"_a, "src"_a, "dst"_a, nb::kw_only(),
         "stream"_a = nb::none(), "Unvalidated in-place page copy; use impl.PagePool instead.");
+  m.def("quantize_slots", &pagecheck::quantize_slots, "pages"_a, "rows"_a, "slots"_a, "scale"_a, "kv_code"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "Unvalidated in-place quantizing slot write (codes of kv_code); use impl.PagePool instead.");
+  m.def("row_scales", &pagecheck::row_scales, "rows"_a, "kv_code"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Token scales of rows [T, Hkv, D] for kv_code: float32 [T, Hkv] (max|x| / max finite; 1.0 for a zero "
+        "row, NaN for a row holding NaN or inf).");
+  m.def("write_scales", &pagecheck::write_scales, "scales"_a, "scale"_a, "slots"_a, nb::kw_only(),
+        "stream"_a = nb::none(), "Unvalidated in-place write of token scales; use impl.PagePool instead.");
   m.def("pool_copies", &pagecheck::pool_copies,
         "How many pool updates had to copy a whole pool (0 on the in-place path).");
   m.def("num_threads", &pagecheck::num_threads, "Worker threads used by the kernels.");

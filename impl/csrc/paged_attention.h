@@ -11,7 +11,7 @@ namespace pagecheck {
 
 namespace mx = mlx::core;
 
-// Pools' element format (impl/attention.py _KV_CODES; contract/kv_format.py).
+// Pools' element format (impl/attention.py KV_CODES; contract/kv_format.py).
 enum KvCode : int { kKvQueryDtype = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2, kKvInt8 = 3 };
 
 // Builds the lazy (output [B, Hq, L, Dv], lse float32 [B, Hq, L]) pair: both come out of
