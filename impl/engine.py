@@ -64,14 +64,25 @@ class PagedEngine:
             kb, vb = (self._gather(x, index, len(caches)) for x in (pool.keys(layer), pool.values(layer)))
             # take + transpose materialize the K and V batch twice each
             self.kv_bytes_copied += 2 * gathered
-            outs.append(paged_attention_with_metadata(q, kb, vb, dense_meta, scale=self.scale))
+            outs.append(paged_attention_with_metadata(q, kb, vb, dense_meta, scale=self.scale,
+                                                      **self._gathered_options(pool.kv_options(layer), index,
+                                                                               len(caches))))
         return outs
 
     @staticmethod
     def _gather(pages: mx.array, index: mx.array, batch: int) -> mx.array:
-        P, H, ps, D = pages.shape
-        x = mx.take(pages, index, axis=0).reshape(batch, -1, H, ps, D)
-        return mx.contiguous(x.transpose(0, 2, 1, 3, 4).reshape(batch, H, -1, D))
+        """Pages [P, H, ps, D] (or a quantized pool's token scales [P, H, ps]) gathered into
+        one page per request, [batch, H, width * ps(, D)]."""
+        x = mx.take(pages, index, axis=0).reshape(batch, -1, *pages.shape[1:])
+        x = mx.swapaxes(x, 1, 2)
+        return mx.contiguous(x.reshape(batch, pages.shape[1], -1, *pages.shape[3:]))
+
+    @classmethod
+    def _gathered_options(cls, options: dict, index: mx.array, batch: int) -> dict:
+        """A quantized pool's kv_options for the gathered pages: token scales travel with
+        their rows; tensor and head scales hold as they are."""
+        return {name: cls._gather(x, index, batch) if name.endswith("_scale") and x.ndim == 3 else x
+                for name, x in options.items()}
 
 
 class DenseEngine:

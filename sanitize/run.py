@@ -67,12 +67,15 @@ HERE = Path(__file__).resolve().parent
 ASAN_TESTS = [
     "tests/test_differential.py",
     "tests/test_hand_fixtures.py",
+    "tests/test_hand_fixtures_kv.py",  # quantized pages: code loads, scales at physical slots
+    "tests/test_kv_quant.py",
     "tests/test_invariants.py",
     "tests/test_rejections.py",
     "tests/test_schedules.py",
     "tests/test_golden_bits.py",
     "tests/test_amx.py",  # the tile path: its scratch, packs and row copies
     "tests/test_pool.py",
+    "tests/test_pool_quant.py",  # the quantizing slot write and the in-place token scales
     "tests/test_cache.py",
     "tests/test_edges.py",
     "tests/test_fuzz_boundary.py",  # its fixed, derandomized examples (a few seconds)

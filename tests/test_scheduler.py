@@ -244,3 +244,17 @@ def test_paged_store_counts_pages_bytes_and_leaks():
     assert store.kv_bytes() == store.held_bytes() == store.fitted_bytes() == store.pool.bytes_per_page
     leaked = store.pool.allocator.allocate(2)
     assert store.leaked_pages() == 2 and len(leaked) == 2
+
+
+@pytest.mark.parametrize("kv_dtype,scales", [("float8_e4m3fn", "token"), ("int8", "head"), ("float8_e5m2", "tensor")])
+def test_quantized_pool_variants_agree_bit_for_bit(kv_dtype, scales):
+    """A quantized pool through the whole serving trace: the gathering engine carries
+    token scales with their rows (impl/engine.py _gathered_options), so it gives the paged
+    engine's bits; nothing leaks, nothing copies a pool."""
+    digests = {}
+    for variant in ("paged", "paged_gather"):
+        metrics, digests[variant] = run_variant(SMALL, variant, kv_dtype=kv_dtype, scales=scales)
+        assert (metrics["leaked_pages"], metrics["whole_pool_copies"]) == (0, 0), variant
+    assert digests["paged"] == digests["paged_gather"]
+    _, unquantized = run_variant(SMALL, "paged")
+    assert digests["paged"].keys() == unquantized.keys() and digests["paged"] != unquantized
