@@ -3,8 +3,8 @@
 | module              | job                                                              |
 |---------------------|------------------------------------------------------------------|
 | `implementation.py` | `--impl MODULE:ATTR` -> the `Implementation` under test (built-in by default) |
-| `capabilities.py`   | what an implementation declares it supports (contract-v2 features included); the rest is skipped with the reason |
-| `bridges.py`        | `from_numpy`, `from_torch`, `from_mlx`: kernels of other frameworks / formats behind the mlx contract |
+| `capabilities.py`   | what an implementation declares it supports (contract-v2 features, quantized KV formats and scale granularities included); the rest is skipped with the reason |
+| `bridges.py`        | `from_numpy`, `from_torch`, `from_mlx`: kernels of other frameworks / formats behind the mlx contract (torch gets fp8 pages in its own fp8 dtypes) |
 | `formats/`          | KV layouts, page tables, query packing, window / lse / ALiBi conventions: one contract call as a native call |
 | `clauses.py`        | the contract clauses checks point at                             |
 | `repro.py`          | a failed check's last call as `reports/repro/<check>.py` + `.npz`, runnable alone |

@@ -2,7 +2,8 @@
 
 The callable must take and return `mlx.core.array` with the REFERENCE.md section 1
 signature (and the contract-v2 keywords of section 1b it declares: a call with
-`return_lse=True` returns `(out, lse)`). `Implementation` wraps it with its declared capabilities
+`return_lse=True` returns `(out, lse)`; quantized pools as contract/kv_format.py says).
+`Implementation` wraps it with its declared capabilities
 (conformance/capabilities.py) and the few helpers checks need to stay
 implementation-neutral: skip a call outside the declaration, compare two outputs
 bitwise or under the tolerance rule, set the worker count.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import pytest
 
-from contract import ScorePipeline
+from contract import GRANULARITIES, KV_DTYPES, ScorePipeline
 
 from .capabilities import FEATURE_KEYS, Capabilities, feature_reason
 
@@ -54,7 +55,8 @@ class Implementation:
             return None  # an unknown keyword: the kernel's own TypeError, not a skip
         return self.caps.unsupported(dtype=_dtype(query), head_dim=query.shape[-1], page_size=page_size,
                                      query_len=query.shape[2], pipeline=pipeline,
-                                     value_head_dim=_value_dim(query, key_pages, value_pages))
+                                     value_head_dim=_value_dim(query, key_pages, value_pages),
+                                     pool=_pool(key_pages))
 
     def supports(self, case) -> bool:
         return self.unsupported(*case.args(), **case.kwargs()) is None
@@ -83,7 +85,8 @@ class Implementation:
         reason = self.caps.unsupported(dtype=_dtype(mixed.query), head_dim=mixed.query.shape[-1],
                                        page_size=mixed.page_size, query_len=mixed.max_query_len,
                                        pipeline=ScorePipeline.of(mixed.kwargs()),
-                                       value_head_dim=_value_dim(mixed.query, *mixed.args()[2:4]))
+                                       value_head_dim=_value_dim(mixed.query, *mixed.args()[2:4]),
+                                       pool=_pool(mixed.args()[2]))
         if reason:
             pytest.skip(f"not declared by {self.name}: {reason}")
         out = self.fn.packed(*mixed.args(), **mixed.kwargs())
@@ -108,14 +111,21 @@ def _value_dim(query, key_pages, value_pages) -> int | None:
     return value_pages.shape[-1]
 
 
+def _pool(key_pages) -> tuple | None:
+    """The key pool's shape `(P, Hkv, ps, Dk)` (what tells a scale's granularity), or None
+    for a malformed pool."""
+    return tuple(key_pages.shape) if isinstance(key_pages, mx.array) and key_pages.ndim == 4 else None
+
+
 def builtin() -> Implementation:
     import impl
 
     # extra_memory 0: the kernel reads the pools in place and allocates only its output.
-    # It computes the whole contract v2 (REFERENCE.md 1b).
+    # It computes the whole contract v2 (REFERENCE.md 1b), every KV format at every granularity.
     caps = Capabilities(bitwise_batch=True, bitwise_threads=True, set_num_threads=impl.set_num_threads,
                         error_types=(impl.ContractViolation,), extra_memory=0.0, softcap=True, alibi=True,
-                        sinks=True, lse=True, value_head_dim=True)
+                        sinks=True, lse=True, value_head_dim=True, kv_dtypes=frozenset(KV_DTYPES),
+                        kv_scales=frozenset(GRANULARITIES))
     return Implementation("pagecheck built-in (impl.paged_attention)", impl.paged_attention, caps, builtin=True)
 
 

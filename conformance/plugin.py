@@ -6,7 +6,7 @@ the conformance report is written from.
 | `--impl MODULE:ATTR`        | the callable checked (default: the built-in kernel)           |
 | `--report-dir DIR`          | also write DIR/conformance.md, .html and .json, and DIR/repro/<check>.py (+ .npz) per failed check (conformance/repro.py) |
 | fixture `attention`         | the `Implementation` under test (session scope)               |
-| fixture `error_log`         | worst error against each oracle per dtype, for the report     |
+| fixture `error_log`         | worst error against each oracle per dtype, and per KV format the kernel's error beside the quantization's own (`record_kv`), for the report |
 | marker `builtin_only(why)`  | a check of pagecheck's own pool / scheduler / kernel internals: skipped, with `why`, for another implementation |
 | marker `clause(*ids)`       | the contract clauses a check checks (conformance/clauses.py); a failure shows their text |
 """
@@ -29,15 +29,39 @@ _STATE = {"impl": None}
 
 @dataclass
 class ErrorLog:
-    """Worst |error|, relative error and share of the allowance per (dtype, oracle)."""
+    """Worst |error|, relative error and share of the allowance per (dtype, oracle); per
+    KV format (`kv`) the same for the kernel against the float64 oracle on the dequantized
+    pages, and apart from it the worst error the quantization itself adds against the
+    unquantized K/V (oracles.quantization_error): the kernel's error is judged, the
+    quantization's is reported."""
 
     worst: dict = field(default_factory=dict)
+    kv: dict = field(default_factory=dict)  # format -> KVErrors
 
     def record(self, dtype, against: str, verdict) -> None:
         key = (str(dtype).removeprefix("mlx.core."), against)
         err, rel, share = self.worst.get(key, (0.0, 0.0, 0.0))
-        mine = verdict.error / verdict.allowed if verdict.allowed else float("inf")
-        self.worst[key] = (max(err, verdict.error), max(rel, verdict.relative), max(share, mine))
+        self.worst[key] = (max(err, verdict.error), max(rel, verdict.relative), max(share, _share(verdict)))
+
+    def record_kv(self, kv_dtype: str, verdict, quantization_error: float) -> None:
+        """One quantized check: the kernel's verdict against float64 and the quantization
+        error of its call (from the float case it was quantized from)."""
+        was = self.kv.get(kv_dtype, KVErrors())
+        self.kv[kv_dtype] = KVErrors(checks=was.checks + 1, kernel=max(was.kernel, verdict.error),
+                                     share=max(was.share, _share(verdict)),
+                                     quantization=max(was.quantization, float(quantization_error)))
+
+
+@dataclass(frozen=True)
+class KVErrors:
+    checks: int = 0  # quantized checks that recorded
+    kernel: float = 0.0  # worst max |out - ref|, ref over the dequantized pages
+    share: float = 0.0  # worst share of the allowance
+    quantization: float = 0.0  # worst max |ref over dequantized - ref over unquantized|
+
+
+def _share(verdict) -> float:
+    return verdict.error / verdict.allowed if verdict.allowed else float("inf")
 
 
 @dataclass

@@ -4,6 +4,7 @@
 |-------------------|------------------------------------------------------------------|
 | header            | implementation, declared capabilities, versions, verdict, counts |
 | contract v2       | each v2 feature (soft-cap, ALiBi, sinks, lse, Dv != Dk): declared or not, and how many checks were skipped for lacking it |
+| quantized KV      | each KV format (fp8 e4m3fn / e5m2, int8): declared or not, the scale granularities declared, the checks skipped for the format or a granularity, and apart from each other the kernel's worst error (against the float64 oracle on the dequantized pages) and the error the quantization itself adds against the unquantized K/V (`quantization_error` in the JSON) |
 | failures          | first: each failed check, the contract clause it points at, the message and its reproduction script (`repro/<check>.py`, conformance/repro.py) |
 | areas             | passed / failed / skipped per check area                          |
 | skipped           | each skip reason with its count (declarations, built-in-only checks) |
@@ -22,7 +23,9 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .capabilities import FEATURE_KEYS, features_in
+from contract import GRANULARITIES, KV_DTYPES
+
+from .capabilities import FEATURE_KEYS, features_in, kv_formats_in
 from .clauses import describe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +70,12 @@ AREAS = {
     "test_bridges": "torch / NumPy / MLX bridges; native-format kernels through the catalog",
     "test_declarations": "declarations narrow generation; memory-aware fixture skips",
     "test_peers": "real third-party kernels (peers/), smoke checks",
+    "test_hand_fixtures_kv": "quantized KV hand fixtures: special codes, scales, answers derived by hand",
+    "test_oracles_kv": "quantized KV in the oracles: every code decoded, oracles agree, quantization error",
+    "test_kv_quant": "quantized KV in the built-in kernel: exact decode, invariants 6-9, rejections",
+    "test_pool_quant": "quantized page pools: the write path's codes and scales",
+    "test_kv_catalog": "quantized KV pages: each format x scale granularity vs the oracles, invariants 2, 6, 8, 9",
+    "test_kv_plugin": "quantized KV through --impl: capability keys, torch fp8 dtypes, misreading kernels",
 }
 
 
@@ -153,13 +162,27 @@ def build(impl, recorder, exitstatus) -> Doc:
         (["feature", "capability", "declared", "checks skipped for it"],
          [[FEATURE_TEXT[f], f, "yes" if features[f]["declared"] else "no", str(features[f]["skipped"])]
           for f in FEATURE_KEYS]), key="features")
+    kv = kv_record(impl, outcomes, recorder.errors.kv)
+    formats = impl.caps.kv_formats()
+    head.text.insert(3, "KV formats declared: " + (", ".join(formats) or "none")
+                     + (f" (scales: {', '.join(g for g in GRANULARITIES if g in impl.caps.kv_scales)})"
+                        if formats else ""))
+    kv_section = Section("Quantized KV pages (REFERENCE.md 1b)", [KV_HELP], (
+        ["format", "declared", "scales declared", "skipped (format)", "skipped (granularity)", "checks measured",
+         "kernel error (max abs)", "worst share of allowance", "quantization error (max abs)"],
+        [[f, "yes" if r["declared"] else "no", ", ".join(r["scales"]) or "-", str(r["skipped"]),
+          str(r["skipped_scales"]), str(r["checks"]), _num(r["kernel_error"]), _pct(r["share_of_allowance"]),
+          _num(r["quantization_error"])] for f, r in kv.items()]), key="kv")
     sections = [head, failures, v2, areas, skipped, errors]  # failures first: what to fix, and how to rerun it
+    sections.insert(sections.index(v2) + 1, kv_section)  # beside the other declared features
     if impl.builtin:
         sections += _mutant_sections()
     sections.append(Section("Every check", table=(["check", "result", "clauses", "detail"], [
         [o.nodeid, o.outcome, ", ".join(o.clauses) or "-", _one_line(o.message)[:160]] for o in outcomes])))
     data = {"implementation": impl.name, "builtin": impl.builtin, "capabilities": impl.caps.summary(),
-            "verdict": verdict, "counts": dict(total), "features": features,
+            "verdict": verdict, "counts": dict(total), "features": features, "kv_formats": kv,
+            "quantization_error": {f: r["quantization_error"] for f, r in kv.items()
+                                   if r["quantization_error"] is not None},
             "checks": [{"id": o.nodeid, "outcome": o.outcome, "clauses": list(o.clauses), "message": o.message,
                         **({"repro": getattr(o, "repro", "") or None, "repro_note": getattr(o, "repro_note", "")}
                            if o.outcome == "failed" else {})}
@@ -178,6 +201,41 @@ def feature_record(impl, outcomes) -> dict:
     it as undeclared (a check lacking two features counts for both)."""
     skipped = collections.Counter(f for o in outcomes if o.outcome == "skipped" for f in features_in(o.message))
     return {f: {"declared": bool(getattr(impl.caps, f)), "skipped": skipped[f]} for f in FEATURE_KEYS}
+
+
+KV_HELP = ("The kernel is judged on exact attention over the dequantized pages (`decode(code) * scale`); the "
+           "error the 8-bit rounding of K/V itself adds, against attention over the unquantized K/V the check's "
+           "case was quantized from, is no error of the kernel's and is shown apart (oracles.quantization_error), "
+           "worst over the checks of each format. A format or granularity the implementation does not declare is "
+           "never checked: each check using it is skipped with the reason `KV format F (declare kv_dtypes=[..., "
+           "'F'] ...)` or `KV format F with v_scale per token (declare kv_scales=[..., 'token'] ...)`.")
+
+
+def kv_record(impl, outcomes, measured: dict) -> dict:
+    """Per KV format (contract.KV_DTYPES order): declared or not, the granularities declared,
+    the skipped checks whose reason names the format (`skipped`) or one of its
+    granularities (`skipped_scales`) as undeclared, and the checks that measured errors
+    (`measured`: the ErrorLog's KVErrors per format): the kernel's worst error and share,
+    and the quantization's own worst error (None where no check measured)."""
+    skips = collections.Counter(kv_formats_in(o.message) for o in outcomes if o.outcome == "skipped")
+    out = {}
+    for f in KV_DTYPES:
+        declared = f in impl.caps.kv_dtypes
+        m = measured.get(f)
+        out[f] = {"declared": declared,
+                  "scales": [g for g in GRANULARITIES if g in impl.caps.kv_scales] if declared else [],
+                  "skipped": skips[(f, "kv_dtypes")], "skipped_scales": skips[(f, "kv_scales")],
+                  "checks": m.checks if m else 0, "kernel_error": m.kernel if m else None,
+                  "share_of_allowance": m.share if m else None, "quantization_error": m.quantization if m else None}
+    return out
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3e}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 REPRO_HELP = ("Each failed check that called the implementation has a standalone reproduction beside this "
@@ -235,6 +293,8 @@ def terminal_lines(doc: Doc, directory: Path | None = None) -> list:
             line = "contract v2 features declared: " + (", ".join(f for _, f, d, _ in rows if d == "yes") or "none")
             missing = [f"{f} ({n} checks skipped)" for _, f, d, n in rows if d == "no"]
             lines.append(line + ("; not declared: " + ", ".join(missing) if missing else ""))
+        elif section.key == "kv":
+            lines += _kv_lines(section.table[1])
         elif section.key == "areas":
             lines.append("")
             lines.append(f"{'area':<26} {'':<52} {'passed':>6} {'failed':>6} {'skipped':>7}")
@@ -250,6 +310,20 @@ def terminal_lines(doc: Doc, directory: Path | None = None) -> list:
                     for cell in row))
     lines += ["", f"verdict: {doc.verdict}"]
     return lines
+
+
+def _kv_lines(rows) -> list:
+    """The terminal's view of the KV section: what is declared, what was skipped, and per
+    measured format the kernel's error beside the quantization's."""
+    declared = [f"{f} ({scales})" for f, d, scales, *_ in rows if d == "yes"]
+    line = "KV formats declared: " + (", ".join(declared) or "none")
+    missing = [f"{f} ({n} checks skipped)" for f, d, _, n, *_ in rows if d == "no"]
+    out = [line + ("; not declared: " + ", ".join(missing) if missing else "")]
+    for f, _, _, _, grains, checks, kernel, _, quant in rows:
+        if checks != "0" or grains != "0":
+            out.append(f"  {f}: kernel error {kernel}, quantization error {quant} (vs unquantized K/V), "
+                       f"{checks} checks measured, {grains} skipped for a scale granularity")
+    return out
 
 
 def markdown(doc: Doc) -> str:

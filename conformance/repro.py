@@ -4,7 +4,7 @@
 |--------------|---------------------------------------------------------------------------|
 | `CALLS`      | the last call the implementation under test received in the running check (the plugin wraps `attention.fn` with `recording`, which both `attention(...)` and the rejection checks' `attention.fn(...)` reach, and clears it at each check's setup) |
 | `recording`  | wraps a callable so its calls are recorded (the plugin wraps `attention.fn`)   |
-| `write`      | one failed check's call -> `<name>.npz` (the arrays, the contract-v2 ones `alibi_slopes` / `sinks` included, the float64 oracle's answer, the tolerance rule's allowance; with `return_lse` the oracle's lse and its allowance too) and `<name>.py` (conformance/repro_script.py: loads them, calls the kernel, says how far off out and lse are; exit 1 while it fails) |
+| `write`      | one failed check's call -> `<name>.npz` (the arrays, the contract-v2 ones `alibi_slopes` / `sinks` and the quantized pools' codes with their `k_scale` / `v_scale` included, `kv_dtype` restated in the call, the float64 oracle's answer, the tolerance rule's allowance; with `return_lse` the oracle's lse and its allowance too) and `<name>.py` (conformance/repro_script.py: loads them, calls the kernel, says how far off out and lse are; exit 1 while it fails) |
 
 Why the last call: a check's failing assertion follows the call it judges, and
 hypothesis replays the shrunk failing example last, so the last call is the shrunk one.
@@ -46,12 +46,12 @@ COMPARES_CALLS = {"inv2": "the output of one table order against another",
                   "inv9": "the output with garbage in unread slots or entries against the clean one"}
 # declared keys that make `load` convert the kernel's calls (formats and conventions)
 NATIVE_KEYS = ("layout", "page_table", "query_packing", "window_convention", "lse_convention", "empty_lse",
-               "alibi_convention")
+               "alibi_convention", "kv_dtype_names")
 
 
 def _contract(query, key_pages, value_pages, block_table, context_lens, page_size, *,
               scale=None, mask="causal", window=None, softcap=None, alibi_slopes=None, sinks=None,
-              return_lse=False):
+              return_lse=False, kv_dtype=None, k_scale=None, v_scale=None):
     """The contract's signature (REFERENCE.md sections 1 and 1b), for naming recorded arguments."""
 
 
@@ -173,7 +173,7 @@ def contract_violation(call: Call) -> str | None:
     a = {**{k: p.default for k, p in SIGNATURE.parameters.items()}, **bound.arguments}
     try:
         geom = check_arrays(a["query"], a["key_pages"], a["value_pages"], a["block_table"], a["context_lens"],
-                            a["page_size"])
+                            a["page_size"], a["kv_dtype"])
         check_pipeline(geom, ScorePipeline.of({k: a[k] for k in OPTIONS}))
         PagedMetadata.build(a["block_table"], a["context_lens"], page_size=geom.page_size,
                             num_pages=geom.num_pages, query_len=geom.query_len)

@@ -93,7 +93,7 @@ VIOLATION = @@VIOLATION@@  # why the contract rejects the input (EXPECT == "reje
 TWO_CALLS = @@COMPARED@@  # the check compared two calls; this is the last one
 DATA = Path(__file__).resolve().with_name(@@DATA@@)
 NATIVE_KEYS = ("layout", "page_table", "query_packing", "window_convention", "lse_convention", "empty_lse",
-               "alibi_convention")
+               "alibi_convention", "kv_dtype_names")
 
 
 def load_kernel(spec):

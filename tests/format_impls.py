@@ -25,6 +25,12 @@ one convention the way real adapters do and names the clause the catalog must po
 | `v2_flashinfer_like`       | hnd, csr, padded, flashinfer; lse base 2, ALiBi before the cap | none           | -      |
 | `v2_fa2_like`              | nhd, padded, padded, flash; empty lse +inf, ALiBi -slope * abs(p - j) | none    | -      |
 | `v2_vllm_like`             | vllm_split, padded, varlen, count; ALiBi at j - ctx + 1 | none                  | -      |
+| `quant_<layout>`           | each layout of conformance/formats/kv.py (KV_LAYOUTS), with csr, varlen, flash or flashinfer on some; every KV format and scale granularity | none | -  |
+
+Quantized pages (every `quant_*` kernel; the others declare no KV format) are read as stored:
+uint8 fp8 codes decoded through fixtures/quantized.py's table of the format, int8 as their
+value, each times its scale, a per-token one indexed in the layout's slot order
+(`[P, ps, Hkv]` for nhd / kv_nhd), by the table in conformance/formats/kv.py.
 """
 
 from __future__ import annotations
@@ -35,7 +41,38 @@ from conformance.bridges import from_numpy
 
 
 def _rows(layout, kw, pages, slots):
-    """K and V of the given (page, slot) pairs: `[n, Hkv, D]` each, float64."""
+    """K and V of the given (page, slot) pairs: `[n, Hkv, D]` each, float64; quantized
+    pages decoded and scaled (`_dequantized`)."""
+    k, v = _codes(layout, kw, pages, slots)
+    if kw.get("kv_dtype") is None:
+        return k, v
+    return (_dequantized(layout, kw, k, kw.get("k_scale"), pages, slots),
+            _dequantized(layout, kw, v, kw.get("v_scale"), pages, slots))
+
+
+def _dequantized(layout, kw, codes, scale, pages, slots):
+    """`decode(code) * s` by contract/kv_format.py's definition: uint8 codes are fp8 bit
+    patterns (decoded by fixtures/quantized.py's table of the format), int8 codes and
+    codes a torch kernel decoded itself are their value; a per-token scale is indexed in
+    the layout's slot order (`[P, ps, Hkv]` for nhd / kv_nhd, else `[P, Hkv, ps]`)."""
+    from fixtures.quantized import code_values
+
+    x = codes
+    if kw["raw_dtype"] == np.uint8:
+        x = code_values(kw["kv_dtype"])[codes.astype(np.uint8)]
+    if scale is None:
+        return x
+    s = np.asarray(scale, dtype=np.float64)
+    if s.ndim == 1:
+        return x * s[None, :, None]
+    if s.ndim == 3:
+        s = s[pages, slots] if layout in ("nhd", "kv_nhd") else s[pages, :, slots]
+        return x * s[:, :, None]
+    return x * s
+
+
+def _codes(layout, kw, pages, slots):
+    """The K and V elements of the given (page, slot) pairs as stored, `[n, Hkv, D]` each, float64."""
     if layout == "hnd":
         k, v = kw["key_cache"][pages, :, slots], kw["value_cache"][pages, :, slots]
     elif layout == "nhd":
@@ -146,6 +183,7 @@ def native_reference(defect: str | None = None, **fmt):
     fmt = {"layout": "hnd", "page_table": "padded", "query_packing": "padded", "window_convention": "count", **fmt}
 
     def kernel(**kw):
+        kw = {**kw, "raw_dtype": next(kw[k].dtype for k in ("key_cache", "kv_cache") if k in kw)}
         outs, lses = [], []
         hq = kw["query"].shape[1]  # [B, Hq, L, Dk] or [T, Hq, Dk]
         for b, (pages, ctx) in enumerate(_requests(fmt, kw, defect)):
@@ -205,3 +243,13 @@ csr_last_as_index = _impl("csr_last_as_index", "oracle", page_table="csr")
 varlen_rows_from_start = _impl("varlen_rows_from_start", "causal", query_packing="varlen")
 BROKEN = {name: globals()[name].breaks for name in ("flash_left_as_count", "csr_last_as_index",
                                                      "varlen_rows_from_start")}
+
+# quantized KV in each layout: the per-token scales in the layout's slot order (kv.py)
+KV_ALL = dict(kv_dtypes=["float8_e4m3fn", "float8_e5m2", "int8"], kv_scales=["tensor", "head", "token"])
+quant_hnd = _impl(page_table="csr", **KV_ALL)
+quant_nhd = _impl(layout="nhd", query_packing="varlen", window_convention="flash", **KV_ALL)
+quant_kv_hnd = _impl(layout="kv_hnd", page_table="csr", window_convention="flashinfer", **KV_ALL)
+quant_kv_nhd = _impl(layout="kv_nhd", **KV_ALL)
+quant_kv_last = _impl(layout="kv_last", query_packing="varlen", **KV_ALL)
+quant_vllm_split = _impl(layout="vllm_split", **KV_ALL)
+KV_LAYOUTS = {layout: f"quant_{layout}" for layout in ("hnd", "nhd", "kv_hnd", "kv_nhd", "kv_last", "vllm_split")}

@@ -11,6 +11,7 @@ A kernel that declares any of `layout`, `page_table`, `query_packing` or
 | always                           | `page_size` int, `scale` float (Dk ** -0.5 when None), `causal` bool |
 | `window_convention` (conventions.py) | `window`, `window_size` or `window_left`                   |
 | contract v2, only when the call sets it | `softcap` float, `alibi_slopes` `[Hq]`, `sinks` `[Hq]`, `return_lse=True` |
+| quantized KV, only when the call sets it | `kv_dtype` (the kernel's name of it: `kv_dtype_names`), `k_scale`, `v_scale` (a per-token one in the layout's slot order, kv.py) |
 
 It returns its output in its query packing (`[..., Dv]`), or with `return_lse` the pair
 `(out, lse)`: lse `[B, Hq, L]` padded, `[T, Hq]` packed. `native(...)` builds the call
@@ -20,8 +21,9 @@ conventions.py); `native_packed(...)` does the same for a batch of mixed query l
 `NotExpressible`, a skip with the reason.
 
 A kernel that declares no format key but a convention (`lse_convention`, `empty_lse`,
-`alibi_convention`) keeps the contract's signature: `native` then gives that call
-(`NativeCall.args` positional) and the same conversion back.
+`alibi_convention`, `kv_dtype_names`) keeps the contract's signature: `native` then gives
+that call (`NativeCall.args` positional) and the same conversion back. `NativeCall.kv_dtype`
+keeps the call's format under pagecheck's name, for the bridges (torch's own fp8 dtypes).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class NativeCall:
     kwargs: dict  # the kernel's keyword arguments (mlx arrays and Python values)
     output: object  # callable: the kernel's result (mlx) -> the contract's out, or (out, lse)
     args: tuple = field(default=())  # positional arguments (the contract's own form only)
+    kv_dtype: object = None  # the call's kv_dtype as pagecheck names it (the kernel's name may differ)
 
 
 def _pair(result):
@@ -72,12 +75,21 @@ def _well_formed(query, key_pages, value_pages, block_table, context_lens, page_
             raise NotExpressible(f"{name} of dtype {arrays[name][0].dtype}")
 
 
-def _options(caps, pipeline: ScorePipeline) -> dict:
-    """The contract-v2 keywords a call sets (none for a first-contract call: a native
-    kernel written before them keeps its signature)."""
+def _options(caps, pipeline: ScorePipeline, pool_shape: tuple) -> dict:
+    """The contract-v2 and quantized-KV keywords a call sets (none for a first-contract
+    call: a native kernel written before them keeps its signature); a per-token scale in
+    the layout's order, the format under the kernel's name."""
     conventions.alibi_expressible(caps.alibi_convention, pipeline)
     v2 = pipeline.kwargs()
-    return {k: v2[k] for k in ("softcap", "alibi_slopes", "sinks", "return_lse") if k in v2}
+    out = {k: v2[k] for k in ("softcap", "alibi_slopes", "sinks", "return_lse") if k in v2}
+    return {**out, **_kv_options(caps, v2, lambda scale: kv.pack_scale(caps.layout, scale, pool_shape))}
+
+
+def _kv_options(caps, kwargs: dict, scale_back=lambda scale: scale) -> dict:
+    """`kv_dtype`, `k_scale`, `v_scale` where the call sets them: the format renamed as the
+    kernel names it, each scale through `scale_back` (the layout's order)."""
+    out = {"kv_dtype": caps.kv_dtype_name(kwargs["kv_dtype"])} if "kv_dtype" in kwargs else {}
+    return {**out, **{k: scale_back(kwargs[k]) for k in ("k_scale", "v_scale") if k in kwargs}}
 
 
 def _common(caps, key_pages, value_pages, block_table, context_lens, page_size, pipeline, D):
@@ -93,7 +105,7 @@ def _common(caps, key_pages, value_pages, block_table, context_lens, page_size, 
             **tables.pack(caps.page_table, block_table, context_lens, page_size),
             "page_size": page_size, "scale": scale, "causal": conventions.causal_flag(pipeline.mask),
             **conventions.window_args(caps.window_convention, pipeline.window, pipeline.mask),
-            **_options(caps, pipeline)}
+            **_options(caps, pipeline, tuple(key_pages.shape))}
 
 
 def _back(caps, pipeline, result, out_back, lse_back, rows):
@@ -121,8 +133,9 @@ def _contract_form(caps, query, key_pages, value_pages, block_table, context_len
             return result
         return _back(caps, pipeline, result, lambda out: out, lambda lse: lse, rows)
 
-    return NativeCall(pipeline.kwargs(), output,
-                      (query, key_pages, value_pages, block_table, context_lens, page_size))
+    kwargs = pipeline.kwargs()
+    return NativeCall({**kwargs, **_kv_options(caps, kwargs)}, output,
+                      (query, key_pages, value_pages, block_table, context_lens, page_size), pipeline.kv_dtype)
 
 
 def native(caps, query, key_pages, value_pages, block_table, context_lens, page_size, **options) -> NativeCall:
@@ -139,12 +152,13 @@ def native(caps, query, key_pages, value_pages, block_table, context_lens, page_
 
     if caps.query_packing == "padded":
         return NativeCall({"query": query, **common},
-                          lambda result: _back(caps, pipeline, result, lambda out: out, lambda lse: lse, rows))
+                          lambda result: _back(caps, pipeline, result, lambda out: out, lambda lse: lse, rows),
+                          kv_dtype=pipeline.kv_dtype)
     packed = queries.pack(query, queries.query_lens(context_lens, L))
     cu = packed["cu_seqlens_q"]
     return NativeCall({**packed, **common}, lambda result: _back(
         caps, pipeline, result, lambda out: queries.unpack(out, cu, L), lambda lse: queries.unpack_lse(lse, cu, L),
-        rows))
+        rows), kv_dtype=pipeline.kv_dtype)
 
 
 def native_packed(caps, query, cu_seqlens_q, key_pages, value_pages, block_table, context_lens, page_size,
@@ -161,4 +175,5 @@ def native_packed(caps, query, cu_seqlens_q, key_pages, value_pages, block_table
               **_common(caps, key_pages, value_pages, block_table, context_lens, page_size, pipeline,
                         query.shape[-1])}
     return NativeCall(kwargs, lambda result: _back(caps, pipeline, result, lambda out: out, lambda lse: lse,
-                                                   lambda: conventions.Rows.packed(cu_seqlens_q, context_lens)))
+                                                   lambda: conventions.Rows.packed(cu_seqlens_q, context_lens)),
+                      kv_dtype=pipeline.kv_dtype)

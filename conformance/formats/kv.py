@@ -12,11 +12,24 @@
 Every conversion is a pure re-indexing in MLX (any dtype, bf16 included): element
 `pages[p, g, s, d]` of either pool is the same element in the converted arrays, so NaN in
 free pages and unused slots travels with it.
+
+Quantized pools (contract/kv_format.py) convert the same way, as their codes (uint8 bit
+patterns of fp8, int8): vllm_split's x counts 16 one-byte codes. Their scales go to the
+kernel as `k_scale` and `v_scale`, each indexed like its cache without the head dim, so a
+per-token scale stays beside its slot; per-tensor `[]` and per-head `[Hkv]` scales are
+the same in every layout:
+
+| layout                                      | per-token scale `[P, Hkv, ps]` becomes |
+|---------------------------------------------|----------------------------------------|
+| `hnd`, `kv_hnd`, `kv_last`, `vllm_split`    | `[P, Hkv, ps]` (as is)                 |
+| `nhd`, `kv_nhd`                             | `[P, ps, Hkv]` (slot-major, like the cache) |
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from .errors import NotExpressible
 
 SPLIT_BYTES = 16  # vLLM CUDA: x elements of the key cache's innermost axis make 16 bytes
 
@@ -68,6 +81,28 @@ def unpack(layout: str, arrays: dict) -> tuple[mx.array, mx.array]:
         P, hkv, chunks, ps, x = keys.shape
         return keys.transpose(0, 1, 3, 2, 4).reshape(P, hkv, ps, chunks * x), values.swapaxes(2, 3)
     raise ValueError(f"unknown KV layout {layout!r}")
+
+
+SLOT_MAJOR = ("nhd", "kv_nhd")  # layouts whose slots come before the heads
+
+
+def pack_scale(layout: str, scale, pool_shape: tuple):
+    """A scale in the layout's order: a per-token `[P, Hkv, ps]` one (`pool_shape` the key
+    pool's `(P, Hkv, ps, D)`) slot-major where the cache is; any other as it is."""
+    if layout not in SLOT_MAJOR or not isinstance(scale, mx.array) or scale.ndim != 3:
+        return scale
+    if tuple(scale.shape) != tuple(pool_shape[:3]):
+        # a malformed scale transposed could take the layout's valid shape: a rejected call made valid
+        raise NotExpressible(f"a scale of shape {tuple(scale.shape)} (not the per-token [P, Hkv, ps] = "
+                             f"{tuple(pool_shape[:3])}) has no faithful image in layout {layout}")
+    return scale.swapaxes(1, 2)
+
+
+def unpack_scale(layout: str, scale):
+    """The inverse of pack_scale: a per-token scale back to `[P, Hkv, ps]`."""
+    if layout not in SLOT_MAJOR or not isinstance(scale, mx.array) or scale.ndim != 3:
+        return scale
+    return scale.swapaxes(1, 2)
 
 
 def copies(layout: str) -> int:
