@@ -4,7 +4,9 @@ Hypothesis draws whole calls with random metadata: page ids in and out of the po
 (extremes of int32 included), context lengths that are valid, empty, negative, shorter
 than L, past the table or huge, tables of 0..6 columns, pools of 0..8 pages, and now and
 then one shape / dtype / option corruption (wrong rank, dtype, rows, heads, page size,
-scale, mask, window) or a strided (non-contiguous) query or table. Every call must
+scale, mask, window, KV format or scale) or a strided (non-contiguous) query or table;
+one call in three reads quantized pages (fp8 or int8 codes with tensor, head or token
+scales; unwritten slots hold NaN codes and NaN token scales). Every call must
 
 * through `impl.paged_attention`: raise `ContractViolation` with the clause the contract
   names for the first thing wrong (shapes, then options, then requests in order), or
@@ -40,6 +42,7 @@ from hypothesis import strategies as st
 import impl
 import pagecheck_kernels
 from fixtures import DTYPES, bits
+from fixtures.quantized import quantize_pages
 from oracles.compare import compare
 
 pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in validation's clause ids and its unvalidated compiled entry point")]
@@ -72,7 +75,14 @@ CORRUPTIONS = {
     "window-zero": ("window", False),  # C++: window 0 means "no window"
     "window-negative": ("window", True),
     "window-unmasked": ("window", False),  # C++: causal=false ignores the window
+    # quantized pages only (Spec.kv set)
+    "kv-dtype-unknown": ("kv_dtype", False),  # no code to hand the C++ entry point
+    "kv-pages-float": ("kv_dtype", True),
+    "kv-scale-shape": ("kv_scale", True),
+    "kv-scale-zero": ("kv_scale", False),  # C++ does not read scale values
 }
+KV_CORRUPTIONS = tuple(c for c in CORRUPTIONS if c.startswith("kv-"))
+KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,7 @@ class Spec:
     corruption: str | None
     strided: str | None  # None, "query" or "table"
     seed: int
+    kv: tuple[str, str] | None = None  # (kv_dtype, granularity) of quantized pages
 
     @property
     def max_pages(self) -> int:
@@ -149,7 +160,13 @@ def specs(draw) -> Spec:
     table = tuple(tuple(draw(page_ids(P, clean)) for _ in range(max_pages)) for _ in range(B))
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.integers(1, 40), st.just(INT32_MAX))) if causal else None
-    return Spec(L=L, page_size=page_size, kv_heads=kv_heads, group=draw(st.integers(1, 3)),
+    kv = None
+    if P > 0 and (corruption in KV_CORRUPTIONS or draw(st.sampled_from([False, False, True]))):
+        kv = (draw(st.sampled_from(["float8_e4m3fn", "float8_e5m2", "int8"])),
+              draw(st.sampled_from(["tensor", "head", "token"])))
+    elif corruption in KV_CORRUPTIONS:
+        corruption = None  # no page to quantize
+    return Spec(kv=kv, L=L, page_size=page_size, kv_heads=kv_heads, group=draw(st.integers(1, 3)),
                 head_dim=draw(st.sampled_from([1, 3, 8, 16, 24, 32])), num_pages=P,
                 dtype=draw(st.sampled_from(sorted(DTYPES))), context_lens=lens, table=table, causal=causal,
                 window=window, scale=draw(st.one_of(st.none(), st.floats(-2.0, 2.0, allow_nan=False))),
@@ -168,6 +185,8 @@ def _safe(spec: Spec, b: int) -> bool:
 
 def expected_clause(spec: Spec) -> str | None:
     """The clause of the first rule broken: shapes and options first, then requests in order."""
+    if spec.corruption in ("keys-dtype", "values-dtype") and spec.kv:
+        return "kv_dtype"  # float pages where codes were declared
     if spec.corruption:
         return CORRUPTIONS[spec.corruption][0]
     for b, ctx in enumerate(spec.context_lens):
@@ -215,7 +234,19 @@ def build(spec: Spec) -> Call:
     call = Call([query, mx.array(kp).astype(dt), mx.array(vp).astype(dt), block_table, mx.array(lens), ps],
                 {"scale": spec.scale, "mask": "causal" if spec.causal else None, "window": spec.window})
     mx.eval(call.args[:5])
+    if spec.kv:
+        call = _quantize(spec, call)
     return _corrupt(spec, call) if spec.corruption else call
+
+
+def _quantize(spec: Spec, call: Call) -> Call:
+    """The pools as codes of spec.kv's format and granularity (fixtures.quantized)."""
+    kv_dtype, granularity = spec.kv
+    kp, k_scale = quantize_pages(call.args[1], kv_dtype, granularity)
+    vp, v_scale = quantize_pages(call.args[2], kv_dtype, granularity)
+    mx.eval(kp, vp, k_scale, v_scale)
+    return Call([call.args[0], kp, vp, *call.args[3:]],
+                {**call.kwargs, "kv_dtype": kv_dtype, "k_scale": k_scale, "v_scale": v_scale})
 
 
 def _corrupt(spec: Spec, call: Call) -> Call:
@@ -240,12 +271,16 @@ def _corrupt(spec: Spec, call: Call) -> Call:
         "heads": lambda: [mx.concatenate([q, q[:, :1]], axis=1), kp, vp, bt, cl, ps],
         "page-size-pool": lambda: [q, kp, vp, bt, cl, ps + 1],
         "page-size-zero": lambda: [q, kp, vp, bt, cl, 0],
+        "kv-pages-float": lambda: [q, kp.astype(q.dtype), vp, bt, cl, ps],
     }
     if c in changes:
         return Call(changes[c](), kw)
     kw.update({"scale-nan": {"scale": math.nan}, "scale-inf": {"scale": -math.inf}, "mask": {"mask": "full"},
                "window-zero": {"window": 0, "mask": "causal"}, "window-negative": {"window": -3, "mask": "causal"},
-               "window-unmasked": {"window": 4, "mask": None}}[c])
+               "window-unmasked": {"window": 4, "mask": None},
+               "kv-dtype-unknown": {"kv_dtype": "float8_e4m3fnuz"},
+               "kv-scale-shape": {"v_scale": mx.ones((kp.shape[1] + 1,), dtype=mx.float32)},
+               "kv-scale-zero": {"k_scale": 0.0}}[c])
     return Call(call.args, kw)
 
 
@@ -256,8 +291,14 @@ def _raw(call: Call, lens=None):
     scale = call.kwargs["scale"]
     scale = D ** -0.5 if scale is None else scale
     window = call.kwargs["window"] or 0
+    kv = {}
+    if call.kwargs.get("kv_dtype"):
+        scales = [call.kwargs[name] for name in ("k_scale", "v_scale")]
+        kv = dict(kv_code=KV_CODES[call.kwargs["kv_dtype"]],
+                  **{name: mx.array(s, dtype=mx.float32) if isinstance(s, float) else s
+                     for name, s in zip(("k_scale", "v_scale"), scales)})
     out, _ = pagecheck_kernels.paged_attention(q, kp, vp, bt, cl if lens is None else lens, ps, scale,
-                                               call.kwargs["mask"] is not None, window)
+                                               call.kwargs["mask"] is not None, window, **kv)
     mx.eval(out)
     return out
 
@@ -288,6 +329,8 @@ def check(spec: Spec) -> None:
     call = build(spec)
     clause = expected_clause(spec)
     STATS[clause or "computed"] += 1
+    if spec.kv and clause is None:
+        STATS["computed quantized"] += 1
     if clause is None:
         out = impl.paged_attention(*call.args, **call.kwargs)
         mx.eval(out)
@@ -333,6 +376,7 @@ def test_validation_and_kernel_boundary(capsys):
     if FUZZ_SECONDS <= 0:
         _fuzzer(EXAMPLES, derandomize=True)()
         assert STATS["computed"] > 0 and len(STATS) > 3, STATS  # the draws reach both sides
+        assert STATS["computed quantized"] > 0 and STATS["kv_dtype"] + STATS["kv_scale"] > 0, STATS
         return
     base = int(os.environ.get("PAGECHECK_FUZZ_SEED") or random.randrange(2 ** 32))
     with capsys.disabled():
