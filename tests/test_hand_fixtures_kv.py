@@ -27,7 +27,6 @@ physical slot, NaN codes and NaN scales where nothing is written), and malformed
 fixtures are refused.
 """
 
-import json
 import re
 
 import mlx.core as mx
@@ -42,6 +41,7 @@ from fixtures.quantized import code_values, poison_code
 from oracles import NotApplicable
 from oracles.compare import call_logit_error, value_scale
 from oracles.tolerance import Verdict, allowed_error, allowed_error_unmeasured, max_abs_error, ref_scale
+from tests.hand_specs import load_spec, spec_with
 
 pytestmark = pytest.mark.correctness
 
@@ -255,21 +255,7 @@ BASE = {"name": "tmp", "catches": "-", "clause": "kv_format", "derivation": ["-"
 
 
 def _load(tmp_path, monkeypatch, **changes):
-    from fixtures import hand
-
-    spec = json.loads(json.dumps(BASE))
-    for key, value in changes.items():
-        if key.startswith("r0_"):
-            spec["requests"][0][key[3:]] = value
-        else:
-            spec[key] = value
-    (tmp_path / "tmp.json").write_text(json.dumps(spec))
-    monkeypatch.setattr(hand, "DATA", tmp_path)
-    hand._file.cache_clear()
-    try:
-        return hand.hand_case("tmp")
-    finally:
-        hand._file.cache_clear()
+    return load_spec(tmp_path, monkeypatch, spec_with(BASE, **changes))
 
 
 def test_a_minimal_kv_spec_loads(tmp_path, monkeypatch):
@@ -313,23 +299,11 @@ def test_a_shared_page_with_two_token_scales_is_refused(tmp_path, monkeypatch):
     shared = {"block_table": [2], "context_len": 2, "keys": {"rule": "zeros"},
               "values": {"rule": "per_position", "values": [3, 5]}, "query": {"rule": "zeros"},
               "expected": [[[4]], [[4]]]}
-    from fixtures import hand
-
-    spec = json.loads(json.dumps(BASE))
-    spec["requests"] = [shared, shared]
-    spec["v_scale"] = {"per_token": [[[1, 1], [1, 1]], [[1, 1], [1, 2]]]}
-    (tmp_path / "tmp.json").write_text(json.dumps(spec))
-    monkeypatch.setattr(hand, "DATA", tmp_path)
-    hand._file.cache_clear()
-    try:
-        with pytest.raises(ValueError, match=re.escape("rewrites the v_scale of page 2 slot 1")):
-            hand.hand_case("tmp")
-        spec["v_scale"] = {"per_token": [[[1, 1], [1, 2]], [[1, 1], [1, 2]]]}
-        (tmp_path / "tmp.json").write_text(json.dumps(spec))
-        hand._file.cache_clear()
-        assert np.array(hand.hand_case("tmp").v_scale)[2].tolist() == [[1, 1], [1, 2]]
-    finally:
-        hand._file.cache_clear()
+    spec = spec_with(BASE, requests=[shared, shared], v_scale={"per_token": [[[1, 1], [1, 1]], [[1, 1], [1, 2]]]})
+    with pytest.raises(ValueError, match=re.escape("rewrites the v_scale of page 2 slot 1")):
+        load_spec(tmp_path, monkeypatch, spec)
+    spec["v_scale"] = {"per_token": [[[1, 1], [1, 2]], [[1, 1], [1, 2]]]}
+    assert np.array(load_spec(tmp_path, monkeypatch, spec).v_scale)[2].tolist() == [[1, 1], [1, 2]]
 
 
 def test_storage_dtypes_follow_the_contract():

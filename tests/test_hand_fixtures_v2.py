@@ -8,7 +8,6 @@ fixtures are still called with the first contract's keywords only, and every v2 
 has fixtures of its own.
 """
 
-import json
 import math
 import re
 
@@ -17,8 +16,8 @@ import numpy as np
 import pytest
 
 from conformance.clauses import CLAUSES
-from fixtures import hand
 from fixtures.hand import hand_case, hand_info, hand_names
+from tests.hand_specs import DROP, load_spec, spec_with
 
 pytestmark = pytest.mark.correctness
 
@@ -63,25 +62,8 @@ BASE = {"name": "tmp", "catches": "-", "clause": "lse", "derivation": ["-"], "dt
                       "values": [[[3, 3]]], "query": {"rule": "zeros"},
                       "expected": [[[3, 3]], [[3, 3]]], "expected_lse": [[0], [0]]},
                      {"block_table": [-1], "context_len": 0, "expected_lse": [["-inf"], ["-inf"]]}]}
-DROP = object()  # a key to leave out
-
-
 def _load(tmp_path, monkeypatch, **changes):
-    spec = json.loads(json.dumps(BASE))
-    for key, value in changes.items():
-        if key.startswith("r0_"):
-            spec["requests"][0][key[3:]] = value
-        else:
-            spec[key] = value
-    spec = {k: v for k, v in spec.items() if v is not DROP}
-    spec["requests"][0] = {k: v for k, v in spec["requests"][0].items() if v is not DROP}
-    (tmp_path / "tmp.json").write_text(json.dumps(spec))
-    monkeypatch.setattr(hand, "DATA", tmp_path)
-    hand._file.cache_clear()
-    try:
-        return hand.hand_case("tmp")
-    finally:
-        hand._file.cache_clear()
+    return load_spec(tmp_path, monkeypatch, spec_with(BASE, **changes))
 
 
 def test_a_minimal_v2_spec_loads(tmp_path, monkeypatch):

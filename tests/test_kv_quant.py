@@ -15,8 +15,6 @@ rejections of the KV options.
 | bad KV options raise their clause before anything runs                    | test_kv_rejections                     |
 """
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -24,10 +22,11 @@ import pytest
 import impl
 import pagecheck_kernels
 from contract import KV_DTYPES
-from fixtures import bits, paged_case
+from fixtures import paged_case
 from fixtures.quantized import code_values, quantized
 from impl.errors import ContractViolation
 from oracles.compare import compare
+from tests.bitwise import bits_over_worker_counts, result_bits
 from tests.tile_path import tile_path
 
 pytestmark = pytest.mark.correctness
@@ -39,10 +38,6 @@ FORMATS = tuple(KV_DTYPES)
 # with K's rule shows it.
 GRANULARITIES = [("tensor", "tensor"), ("head", "head"), ("token", "token"), ("token", "head"),
                  ("head", "tensor")]
-
-
-def _bits(result) -> tuple[bytes, ...]:
-    return tuple(bits(x) for x in (result if isinstance(result, tuple) else (result,)))
 
 
 def _pipeline(case, seed: int):
@@ -103,7 +98,7 @@ def test_invariant_6_quantized(kv_dtype, L, attention):
     for b in range(4):
         alone = big.with_(query=big.query[b:b + 1], block_table=big.block_table[b:b + 1],
                           context_lens=big.context_lens[b:b + 1])
-        assert _bits(alone.run(attention)) == _bits(out[b:b + 1]), f"request {b}"
+        assert result_bits(alone.run(attention)) == result_bits(out[b:b + 1]), f"request {b}"
 
 
 @pytest.mark.clause("inv7", "kv_format")
@@ -113,13 +108,7 @@ def test_invariant_7_quantized(kv_dtype, attention):
     case = quantized(paged_case(context_lens=[1100, 14, 513], query_len=7, q_heads=HQ, kv_heads=HKV, head_dim=64,
                                 page_size=16, window=300, dtype="bfloat16", seed=70), kv_dtype, k="token")
     attention.require_case(case)
-    seen = set()
-    try:
-        for n in (1, 2, 3, os.cpu_count() or 1):
-            attention.set_num_threads(n)
-            seen.add(_bits(case.run(attention)))
-    finally:
-        attention.set_num_threads(os.cpu_count() or 1)
+    seen = bits_over_worker_counts(case, attention)
     assert len(seen) == 1, f"{len(seen)} different outputs over worker counts"
 
 
@@ -139,7 +128,7 @@ def test_invariant_8_quantized(kv_dtype, k, v, dtype, attention):
     out = prefill.run(attention)
     for p in (before, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, before + n - 1):
         l = p - before
-        assert _bits(prefill.decode_row(l).run(attention)) == _bits(out[:, :, l:l + 1]), f"row {l} (position {p})"
+        assert result_bits(prefill.decode_row(l).run(attention)) == result_bits(out[:, :, l:l + 1]), f"row {l} (position {p})"
 
 
 @pytest.mark.clause("inv9", "kv_format")
@@ -154,7 +143,7 @@ def test_invariant_9_quantized(kv_dtype, L, attention):
     clean = quantized(paged_case(**kwargs, fill=0.0), kv_dtype, k="token", v="token")
     assert not np.array_equal(np.array(poisoned.key_pages), np.array(clean.key_pages))  # the poison is there
     attention.require_case(poisoned)
-    assert _bits(poisoned.run(attention)) == _bits(clean.run(attention))
+    assert result_bits(poisoned.run(attention)) == result_bits(clean.run(attention))
 
 
 @pytest.mark.clause("kv_format", "scale")
@@ -177,7 +166,7 @@ def test_quantized_pools_leave_the_tiles(L):
         on = case.run(impl.paged_attention)
     with tile_path(False):
         off = case.run(impl.paged_attention)
-    assert _bits(on) == _bits(off)
+    assert result_bits(on) == result_bits(off)
     assert not compare(on, case.args(), case.kwargs()).failures()
 
 

@@ -13,16 +13,15 @@ against the oracles and under the bitwise invariants 6-9, every feature on.
 | the raw-score lse and the logit-mode lse agree                        | test_lse_agrees_across_score_modes     |
 """
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import impl
 import pagecheck_kernels
-from fixtures import bits, paged_case
+from fixtures import paged_case
 from oracles.compare import compare
+from tests.bitwise import bits_over_worker_counts, result_bits
 from tests.tile_path import tile_path
 
 pytestmark = pytest.mark.correctness
@@ -60,10 +59,6 @@ def _with(case, features: str, seed: int = 0, value_dim: int | None = None):
 ALL = "softcap+alibi+sinks"
 
 
-def _bits(result) -> tuple[bytes, ...]:
-    return tuple(bits(x) for x in (result if isinstance(result, tuple) else (result,)))
-
-
 def _row(result, rows):
     out, lse = result
     return out[:, :, rows], lse[:, :, rows]
@@ -94,7 +89,7 @@ def test_invariant_6_with_every_feature(L, attention):
     for b in range(4):
         alone = big.with_(query=big.query[b:b + 1], block_table=big.block_table[b:b + 1],
                           context_lens=big.context_lens[b:b + 1])
-        assert _bits(alone.run(attention)) == _bits((out[0][b:b + 1], out[1][b:b + 1])), f"request {b}"
+        assert result_bits(alone.run(attention)) == result_bits((out[0][b:b + 1], out[1][b:b + 1])), f"request {b}"
 
 
 @pytest.mark.clause("inv7")
@@ -104,13 +99,7 @@ def test_invariant_7_with_every_feature(dtype, attention):
     case = _with(paged_case(context_lens=[1100, 14, 513], query_len=7, q_heads=HQ, kv_heads=HKV, head_dim=64,
                             page_size=16, window=300, dtype=dtype, seed=70), ALL)
     attention.require_case(case)
-    seen = set()
-    try:
-        for n in (1, 2, 3, os.cpu_count() or 1):
-            attention.set_num_threads(n)
-            seen.add(_bits(case.run(attention)))
-    finally:
-        attention.set_num_threads(os.cpu_count() or 1)
+    seen = bits_over_worker_counts(case, attention)
     assert len(seen) == 1, f"{len(seen)} different (output, lse) over worker counts"
 
 
@@ -131,7 +120,7 @@ def test_invariant_8_with_every_feature(dtype, window, attention):
     for p in (before, before + 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, before + n - 1):
         l = p - before
         decode = prefill.decode_row(l)
-        assert _bits(decode.run(attention)) == _bits(_row(out, slice(l, l + 1))), f"row {l} (position {p})"
+        assert result_bits(decode.run(attention)) == result_bits(_row(out, slice(l, l + 1))), f"row {l} (position {p})"
 
 
 @pytest.mark.clause("inv9")
@@ -142,7 +131,7 @@ def test_invariant_9_with_every_feature(L, attention):
     poisoned = _with(paged_case(**kwargs), ALL)  # NaN in every unwritten slot and free page
     attention.require_case(poisoned)
     clean = _with(paged_case(**kwargs, fill=0.0), ALL)
-    assert _bits(poisoned.run(attention)) == _bits(clean.run(attention))
+    assert result_bits(poisoned.run(attention)) == result_bits(clean.run(attention))
 
 
 @pytest.mark.builtin_only("the built-in kernel's AMX tile path")
@@ -157,7 +146,7 @@ def test_tiles_run_the_pipeline(L):
         with tile_path(on):
             results[on] = case.run(impl.paged_attention)
         assert not compare(results[on], case.args(), case.kwargs()).failures(), f"tiles {on}"
-    assert _bits(results[True]) != _bits(results[False])
+    assert result_bits(results[True]) != result_bits(results[False])
 
 
 @pytest.mark.builtin_only("the built-in kernel's AMX tile path")
@@ -172,7 +161,7 @@ def test_value_dim_falls_back_from_tiles(L):
         on = case.run(impl.paged_attention)
     with tile_path(False):
         off = case.run(impl.paged_attention)
-    assert _bits(on) == _bits(off)
+    assert result_bits(on) == result_bits(off)
     assert not compare(on, case.args(), case.kwargs()).failures()
 
 

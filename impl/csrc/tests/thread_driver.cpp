@@ -7,7 +7,8 @@
 // own (exit status 1):
 //
 //   1. thread invariance: decode (L = 1, 4) and prefill (L = 40) shapes, f32 / bf16 / f16,
-//      causal, windowed and unmasked, D a multiple of 16 or not, run with 1 worker and with
+//      causal, windowed and unmasked, D a multiple of 16 or not, quantized pages (e5m2 with
+//      token scales, int8 with head scales) too, run with 1 worker and with
 //      2, 3, 4 and 8: every output byte equals the 1-worker run (REFERENCE.md invariant 7),
 //      and a live request's output is finite (the pool's unread slots hold NaN).
 //   2. two MLX CPU streams: two kernels evaluated at once on two stream threads share
@@ -24,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -52,13 +54,27 @@ struct Shape {
   bool causal;
   int window;  // 0: none
   mx::Dtype dtype;
+  int kv_code = pagecheck::kKvQueryDtype;  // quantized pages: e5m2 (token scales) or int8 (head scales)
 };
 
 // One paged batch: random page ids (a permutation with free pages in between), NaN in
 // every slot no request may read, -1 past each row's pages.
 struct Batch {
   mx::array q, kp, vp, table, lens;
+  std::optional<mx::array> k_scale = std::nullopt, v_scale = std::nullopt;
 };
+
+// Float pages [P, Hkv, ps, D] as the codes of kv_code: e5m2 by truncating the float16
+// (any code is valid input; NaN stays a NaN code), int8 as round(16 x) with NaN -> -128.
+mx::array to_codes(const mx::array& pages, int kv_code) {
+  if (kv_code == pagecheck::kKvFp8E5M2) {
+    const mx::array bits = mx::view(mx::astype(pages, mx::float16), mx::uint16);
+    return mx::astype(mx::right_shift(bits, mx::array(8, mx::uint16)), mx::uint8);
+  }
+  const mx::array scaled = mx::clip(mx::round(mx::multiply(pages, mx::array(16.f))), mx::array(-127.f),
+                                    mx::array(127.f));
+  return mx::astype(mx::where(mx::isnan(pages), mx::array(-128.f), scaled), mx::int8);
+}
 
 Batch make_batch(const Shape& s, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -101,6 +117,18 @@ Batch make_batch(const Shape& s, uint32_t seed) {
             mx::astype(mx::array(vp.begin(), pool_shape), s.dtype),
             mx::array(table.begin(), {B, max_pages}),
             mx::array(s.context_lens.begin(), {B}, mx::int32)};
+  if (s.kv_code != pagecheck::kKvQueryDtype) {
+    out.kp = to_codes(out.kp, s.kv_code);
+    out.vp = to_codes(out.vp, s.kv_code);
+    if (s.kv_code == pagecheck::kKvFp8E5M2) {  // token scales
+      out.k_scale = mx::full({P, s.Hkv, ps}, 0.5f);
+      out.v_scale = mx::full({P, s.Hkv, ps}, 2.f);
+    } else {
+      out.k_scale = mx::array({1.f / 16, 1.f / 32}, {s.Hkv});
+      out.v_scale = mx::array(1.f / 16);
+    }
+    mx::eval(out.kp, out.vp, *out.k_scale, *out.v_scale);
+  }
   mx::eval(out.q, out.kp, out.vp, out.table, out.lens);
   return out;
 }
@@ -108,7 +136,7 @@ Batch make_batch(const Shape& s, uint32_t seed) {
 mx::array attend(const Shape& s, const Batch& x, mx::StreamOrDevice stream = {}) {
   return pagecheck::paged_attention(x.q, x.kp, x.vp, x.table, x.lens, s.page_size,
                                     1.f / std::sqrt(static_cast<float>(s.D)), s.causal, s.window,
-                                    0.f, std::nullopt, std::nullopt, stream)
+                                    0.f, std::nullopt, std::nullopt, s.kv_code, x.k_scale, x.v_scale, stream)
       .first;
 }
 
@@ -144,6 +172,9 @@ std::vector<Shape> shapes() {
     // prefill schedule (L > 8): query blocks of 16 against chunks, GQA 4
     all.push_back({"prefill-L40", {300, 40, 0}, 40, 8, 2, 64, 16, true, 0, dt});
     all.push_back({"prefill-L20-window", {530, 20}, 20, 4, 1, 40, 7, true, 100, dt});
+    // quantized pages, both schedules
+    all.push_back({"decode-L1-e5m2", {600, 0, 257}, 1, 8, 2, 64, 16, true, 0, dt, pagecheck::kKvFp8E5M2});
+    all.push_back({"prefill-L40-int8", {300, 40}, 40, 8, 2, 48, 16, true, 0, dt, pagecheck::kKvInt8});
   }
   return all;
 }
