@@ -56,8 +56,10 @@ def make_copy(base: Path, only_mutate: list[str] | None) -> Path:
         shutil.copy2(ROOT / f, tree / f)
     if only_mutate:
         config = tree / "pyproject.toml"
-        text, n = re.subn(r"(?m)^only_mutate = \[.*\]$", "only_mutate = " + json.dumps(only_mutate),
-                          config.read_text())
+        # A function, not a template: json.dumps writes a non-ASCII glob as \uXXXX, which
+        # re would read as a bad escape in a replacement string.
+        line = "only_mutate = " + json.dumps(only_mutate)
+        text, n = re.subn(r"(?m)^only_mutate = \[.*\]$", lambda _: line, config.read_text())
         if n != 1:
             raise SystemExit("pyproject.toml: no single-line only_mutate in [tool.mutmut] to narrow")
         config.write_text(text)
