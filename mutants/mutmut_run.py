@@ -19,7 +19,8 @@ stale. The score counts killed and timed-out mutants over all mutants less the s
 and the recorded equivalents; the exit status is 0 when it is >= 90%.
 
 `--only-mutate` narrows `only_mutate` in the copy's config (a trial on one file);
-mutant names (or globs) rerun just those mutants.
+mutant names (or globs) run just those mutants, and the verdict then counts only them
+(CI's smoke run: `.ci/run`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ THRESHOLD = 0.90
 CATALOG_DIR = "mutants"  # this package; the copy leaves it out so mutmut can use the name
 MUTMUT = [sys.executable, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]
 DETECTED = ("killed", "timeout")
+NOT_CHECKED = "not checked"
 
 
 def make_copy(base: Path, only_mutate: list[str] | None) -> Path:
@@ -199,6 +201,14 @@ def report(mutants: list[dict], equivalents: list[dict]) -> dict:
     }
 
 
+def smoke_passes(r: dict) -> bool:
+    """A smoke run's verdict: every named mutant killed (or recorded equivalent). A
+    timeout fails it, though the score counts timeouts as detected: the smoke's mutants
+    fail in seconds, and a run where they time out (the fork server's threads, 2026-12-02)
+    would score 100% while testing nothing."""
+    return r["total"] > 0 and r["killed"] + r["equivalent"] == r["total"]
+
+
 def print_report(r: dict, seconds: float) -> None:
     print(f"mutmut: {r['total']} mutants, {r['killed']} killed, {r['survived']} survived, "
           f"{r['timeouts']} timeouts, {r['suspicious']} suspicious, {r['no_tests']} without tests, "
@@ -223,7 +233,12 @@ def main(argv=None) -> int:
     parser.add_argument("--max-children", type=int, default=2, help="parallel mutant workers (default 2)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
     parser.add_argument("--only-mutate", nargs="+", metavar="GLOB", help="narrow [tool.mutmut] only_mutate")
+    parser.add_argument("--smoke", action="store_true",
+                        help="with MUTANT names: pass only if every one is killed (a timeout fails: these are "
+                             "mutants that fail in seconds, so a timeout means the run itself is broken)")
     args = parser.parse_args(argv)
+    if args.smoke and not args.names:
+        parser.error("--smoke needs MUTANT names")
 
     equivalents = load_equivalents()
     base = Path(tempfile.mkdtemp(prefix="pagecheck-mutmut-"))
@@ -234,7 +249,16 @@ def main(argv=None) -> int:
         if rc:
             print(f"mutmut run failed (exit {rc})", file=sys.stderr)
             return 2
-        result = report(collect(tree)["mutants"], equivalents)
+        mutants = collect(tree)["mutants"]
+        if args.names:
+            # A run of named mutants (a smoke run, as CI's) is judged on those alone: the
+            # others are "not checked", not survivors. None checked is a failure, so a
+            # glob that stopped matching cannot pass quietly.
+            mutants = [m for m in mutants if m["status"] != NOT_CHECKED]
+            if not mutants:
+                print(f"no mutant matched {' '.join(args.names)}", file=sys.stderr)
+                return 2
+        result = report(mutants, equivalents)
     finally:
         if args.keep:
             print(f"scratch copy kept: {base}", file=sys.stderr)
@@ -242,9 +266,16 @@ def main(argv=None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     seconds = time.perf_counter() - started
     result["seconds"] = round(seconds, 1)
+    if args.names:
+        result["stale_equivalents"] = []  # the other mutants were not run: nothing to call stale
     print_report(result, seconds)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    if args.smoke:
+        ok = smoke_passes(result)
+        print(f"smoke: {result['killed']} of {result['total']} named mutants killed"
+              + ("" if ok else " (a timeout or survivor: the mutmut run is broken)"))
+        return 0 if ok else 1
     return 0 if result["score"] >= THRESHOLD else 1
 
 

@@ -28,3 +28,21 @@ def test_unknown_needs_is_a_catalog_error(tmp_path):
                                      'breaks = "b"\nkillers = ["t"]\nneeds = "gpu"\n')
     with pytest.raises(ValueError, match="only 'amx' is known"):
         load(tmp_path)
+
+
+def test_mutmut_smoke_fails_on_timeouts_and_survivors():
+    """CI's mutmut smoke run (.ci/run) passes only when every named mutant is killed: a
+    timeout counts as detected in the score, but for mutants that fail in seconds it means
+    the run itself is broken (every mutant timed out when the fork server had started
+    MLX's threads)."""
+    from mutants.mutmut_run import report, smoke_passes
+
+    def mutant(status):
+        return {"name": f"m-{status}", "file": "impl/allocator.py", "status": status, "line": 1,
+                "function": "f", "original": "a", "mutated": "b"}
+
+    assert smoke_passes(report([mutant("killed"), mutant("killed")], []))
+    assert not smoke_passes(report([mutant("killed"), mutant("timeout")], []))
+    assert report([mutant("killed"), mutant("timeout")], [])["score"] == 1.0  # the score alone would pass
+    assert not smoke_passes(report([mutant("killed"), mutant("survived")], []))
+    assert not smoke_passes(report([], []))
