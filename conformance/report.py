@@ -73,7 +73,8 @@ AREAS = {
     "test_hand_fixtures_kv": "quantized KV hand fixtures: special codes, scales, answers derived by hand",
     "test_oracles_kv": "quantized KV in the oracles: every code decoded, oracles agree, quantization error",
     "test_kv_quant": "quantized KV in the built-in kernel: exact decode, invariants 6-9, rejections",
-    "test_pool_quant": "quantized page pools: the write path's codes and scales",
+    "test_quantize_codes": "the quantizing write path's encoding: round trips, ties to even, saturation, NaN",
+    "test_pool_quant": "quantized page pools: scales, in-place writes, rejections, attention over them",
     "test_kv_catalog": "quantized KV pages: each format x scale granularity vs the oracles, invariants 2, 6, 8, 9",
     "test_kv_plugin": "quantized KV through --impl: capability keys, torch fp8 dtypes, misreading kernels",
 }

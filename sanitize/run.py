@@ -76,6 +76,7 @@ ASAN_TESTS = [
     "tests/test_amx.py",  # the tile path: its scratch, packs and row copies
     "tests/test_pool.py",
     "tests/test_pool_quant.py",  # the quantizing slot write and the in-place token scales
+    "tests/test_quantize_codes.py",
     "tests/test_cache.py",
     "tests/test_edges.py",
     "tests/test_fuzz_boundary.py",  # its fixed, derandomized examples (a few seconds)
