@@ -27,7 +27,7 @@ from fixtures.quantized import code_values, quantized
 from impl.errors import ContractViolation
 from oracles.compare import compare
 from tests.bitwise import bits_over_worker_counts, result_bits
-from tests.tile_path import tile_path
+from tests.tile_path import same_bits_either_way
 
 pytestmark = pytest.mark.correctness
 
@@ -162,11 +162,7 @@ def test_quantized_pools_leave_the_tiles(L):
     the tiles on or off) and still meet the oracles."""
     case = quantized(paged_case(context_lens=[CHUNK + 30, L], query_len=L, q_heads=HQ, kv_heads=HKV, head_dim=64,
                                 page_size=16, dtype="bfloat16", seed=100 + L), "float8_e4m3fn", k="token")
-    with tile_path(True):
-        on = case.run(impl.paged_attention)
-    with tile_path(False):
-        off = case.run(impl.paged_attention)
-    assert result_bits(on) == result_bits(off)
+    on = same_bits_either_way(case)
     assert not compare(on, case.args(), case.kwargs()).failures()
 
 

@@ -22,7 +22,7 @@ import pagecheck_kernels
 from fixtures import paged_case
 from oracles.compare import compare
 from tests.bitwise import bits_over_worker_counts, result_bits
-from tests.tile_path import tile_path
+from tests.tile_path import same_bits_either_way, tile_path
 
 pytestmark = pytest.mark.correctness
 
@@ -157,11 +157,7 @@ def test_value_dim_falls_back_from_tiles(L):
     amx_applies): the same bits with the tiles switched on or off."""
     case = _with(paged_case(context_lens=[300, L], query_len=L, q_heads=HQ, kv_heads=HKV, head_dim=64,
                             page_size=16, dtype="bfloat16", seed=110 + L), ALL, value_dim=32)
-    with tile_path(True):
-        on = case.run(impl.paged_attention)
-    with tile_path(False):
-        off = case.run(impl.paged_attention)
-    assert result_bits(on) == result_bits(off)
+    on = same_bits_either_way(case)
     assert not compare(on, case.args(), case.kwargs()).failures()
 
 

@@ -27,3 +27,16 @@ def tile_path(on: bool):
         yield
     finally:
         impl.set_amx(before)
+
+
+def same_bits_either_way(case):
+    """`case` (bfloat16) run with the tiles switched on and off: a call the tiles leave to
+    the FMA path gives the same bits both ways (asserted). Returns the output."""
+    from tests.bitwise import result_bits
+
+    with tile_path(True):
+        on = case.run(impl.paged_attention)
+    with tile_path(False):
+        off = case.run(impl.paged_attention)
+    assert result_bits(on) == result_bits(off)
+    return on
