@@ -54,6 +54,7 @@ from .allocator import PageAllocator, PoolStats
 from .attention import KV_CODES
 from .errors import ServingError
 from .runtime import KERNEL_STREAM
+from .validation import _dtype_name
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _CODE_DTYPES = {"uint8": mx.uint8, "int8": mx.int8}
@@ -350,6 +351,3 @@ def _layer_scales(name: str, x, granularity: str | None, num_layers: int, kv_hea
     f32 = np.broadcast_to(f32, every)
     return [mx.array(np.array(f32[layer], dtype=np.float32)) for layer in range(num_layers)]
 
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]

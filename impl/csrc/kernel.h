@@ -560,6 +560,15 @@ inline void clip_to_chunk(int c, int rows, const int* lo, const int* hi, int* cl
   }
 }
 
+// Calls X(E, KV) for every (query type, pool type) pair the kernel is built for: each
+// query type with its own pools and with each quantized code (paged_attention.cpp's
+// run_format dispatches to them). One list, so a new code is instantiated by both
+// schedules at once.
+#define PAGECHECK_FOR_EACH_POOL_TYPE(X) \
+  X(F32, F32) X(F32, FP8E4M3) X(F32, FP8E5M2) X(F32, I8) \
+  X(BF16, BF16) X(BF16, FP8E4M3) X(BF16, FP8E5M2) X(BF16, I8) \
+  X(F16, F16) X(F16, FP8E4M3) X(F16, FP8E5M2) X(F16, I8)
+
 // E: the query's and the output's type; KV: the pools' (E itself, or a quantized code).
 template <class E, class KV>
 void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T* kpool,

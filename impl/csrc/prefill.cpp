@@ -101,17 +101,8 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename KV::T
   });
 }
 
-// Every query type with its own pools and with each quantized code.
-#define PAGECHECK_RUN_PREFILL(E, KV)                                                                   \
-  template void run_prefill<E, KV>(const Problem&, const E::T*, const KV::T*, const KV::T*, E::T*, \
-                                 const std::vector<int>&);
-#define PAGECHECK_RUN_PREFILL_ALL(E) \
-  PAGECHECK_RUN_PREFILL(E, E)        \
-  PAGECHECK_RUN_PREFILL(E, FP8E4M3)  \
-  PAGECHECK_RUN_PREFILL(E, FP8E5M2)  \
-  PAGECHECK_RUN_PREFILL(E, I8)
-PAGECHECK_RUN_PREFILL_ALL(F32)
-PAGECHECK_RUN_PREFILL_ALL(BF16)
-PAGECHECK_RUN_PREFILL_ALL(F16)
+#define PAGECHECK_RUN_PREFILL(E, KV) \
+  template void run_prefill<E, KV>(const Problem&, const E::T*, const KV::T*, const KV::T*, E::T*, const std::vector<int>&);
+PAGECHECK_FOR_EACH_POOL_TYPE(PAGECHECK_RUN_PREFILL)
 
 }  // namespace pagecheck
