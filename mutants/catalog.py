@@ -11,8 +11,11 @@ Each `mutants/catalog/*.toml` file holds `[[mutant]]` entries:
 | `breaks`      | the invariant or contract clause it breaks (REFERENCE.md)          |
 | `killers`     | pytest node ids (or files) expected to kill it; run first           |
 | `slow`        | optional: its killers include tests marked slow (else they are deselected) |
-| `needs`       | optional: `"amx"`, the code it breaks runs only on AMX tiles; where this |
-|               | machine has none the mutant is reported "not applicable", never counted |
+| `needs`       | optional: `"amx"`, the code it breaks runs only on AMX tiles; `"triton"`, |
+|               | it breaks gpu/ (torch and triton needed); where this machine lacks it the |
+|               | mutant is reported "not applicable", never counted                 |
+| `impl`        | optional: `MODULE:ATTR`, the implementation its killers and the     |
+|               | correctness suite check (`--impl`), e.g. `gpu.paged:paged_attention` |
 
 A snippet that is missing or occurs more than once makes the whole run fail: the
 catalog cannot silently rot as the code changes.
@@ -26,6 +29,7 @@ from pathlib import Path
 
 CATALOG = Path(__file__).parent / "catalog"
 NATIVE = ("impl/csrc/", "CMakeLists.txt")
+NEEDS = (None, "amx", "triton")
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Mutant:
     source: str
     slow: bool = False
     needs: str | None = None
+    impl: str | None = None
 
     @property
     def native(self) -> bool:
@@ -57,14 +62,14 @@ def load(catalog: Path = CATALOG) -> list[Mutant]:
                 raise ValueError(f"{path.name}: mutant {entry.get('id', '?')} lacks {sorted(missing)}")
             if entry["id"] in seen:
                 raise ValueError(f"{path.name}: mutant id {entry['id']} appears twice")
-            if entry.get("needs") not in (None, "amx"):
-                raise ValueError(f"{path.name}: mutant {entry['id']} needs {entry['needs']!r}; only 'amx' is known")
+            if entry.get("needs") not in NEEDS:
+                raise ValueError(f"{path.name}: mutant {entry['id']} needs {entry['needs']!r}; known: amx, triton")
             if entry["original"] == entry["replacement"]:
                 raise ValueError(f"{path.name}: mutant {entry['id']} changes nothing")
             seen.add(entry["id"])
             mutants.append(Mutant(entry["id"], entry["file"], entry["original"], entry["replacement"],
                                   entry["breaks"], tuple(entry["killers"]), path.name,
-                                  bool(entry.get("slow", False)), entry.get("needs")))
+                                  bool(entry.get("slow", False)), entry.get("needs"), entry.get("impl")))
     return mutants
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib.util
 import json
 import os
 import re
@@ -74,7 +75,8 @@ class Worker:
                 if not built:
                     return self._result(mutant, "invalid", f"does not compile: {log[-300:]}", start)
             killers = [*mutant.killers] + ([] if mutant.slow else ["-m", "not slow"])
-            for args in (killers, ["-m", "correctness and not slow"]):
+            target = ["--impl", mutant.impl] if mutant.impl else []
+            for args in (killers + target, ["-m", "correctness and not slow"] + target):
                 verdict = self._pytest(args, env)
                 if verdict:
                     return self._result(mutant, "killed", verdict, start)
@@ -82,11 +84,13 @@ class Worker:
         finally:
             path.write_text(pristine)
 
-    def baseline(self, killers: list[str]) -> str | None:
-        """On the unmutated copy every killer and the correctness suite must pass, or a
-        kill would mean nothing. Returns the failing test, or None."""
+    def baseline(self, killers: list[str], impl: str | None = None) -> str | None:
+        """On the unmutated copy every killer and the correctness suite must pass (on `impl`,
+        the mutants' implementation, when they name one), or a kill would mean nothing.
+        Returns the failing test, or None."""
         env = self._env(None)
-        for args in (killers + ["-m", "not slow"], ["-m", "correctness and not slow"]):
+        target = ["--impl", impl] if impl else []
+        for args in (killers + ["-m", "not slow"] + target, ["-m", "correctness and not slow"] + target):
             verdict = self._pytest(args, env)
             if verdict:
                 return verdict
@@ -194,7 +198,9 @@ def main(argv=None) -> int:
     # A mutant of the AMX tile path cannot be killed where no test reaches the tiles.
     import pagecheck_kernels
 
-    inapplicable = [m for m in selected if m.needs == "amx" and not pagecheck_kernels.amx_supported()]
+    lacking = {"amx": not pagecheck_kernels.amx_supported(),
+               "triton": not all(importlib.util.find_spec(p) for p in ("torch", "triton"))}
+    inapplicable = [m for m in selected if m.needs and lacking[m.needs]]
     selected = [m for m in selected if m not in inapplicable]
     # Native mutants first: their builds are the slow part, so they spread over workers early.
     selected.sort(key=lambda m: not m.native)
@@ -208,7 +214,11 @@ def main(argv=None) -> int:
         workers = [Worker(i, base, files, build_jobs) for i in range(jobs)]
         if not args.no_baseline:
             print("baseline: the killers and the correctness suite on the unmutated tree ...", file=sys.stderr)
-            failing = workers[0].baseline(sorted({k for m in selected for k in m.killers}))
+            failing = None
+            for impl in sorted({m.impl for m in selected}, key=str):
+                failing = workers[0].baseline(sorted({k for m in selected if m.impl == impl for k in m.killers}), impl)
+                if failing:
+                    break
             if failing:
                 print(f"baseline failed ({failing}): fix the suite before judging mutants", file=sys.stderr)
                 return 2
@@ -233,7 +243,8 @@ def main(argv=None) -> int:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
 
-    results += [{"id": m.id, "status": "not applicable", "killed_by": "no AMX tiles on this machine",
+    why = {"amx": "no AMX tiles on this machine", "triton": "torch or triton is not installed"}
+    results += [{"id": m.id, "status": "not applicable", "killed_by": why[m.needs],
                  "breaks": m.breaks, "file": m.file, "seconds": 0.0} for m in inapplicable]
     applicable = len(results) - len(inapplicable)
     killed = sum(r["status"] == "killed" for r in results)
@@ -243,7 +254,8 @@ def main(argv=None) -> int:
     table = markdown(results)
     print(table)
     print(f"\n{killed}/{applicable} mutants killed in {report['seconds']} s"
-          + (f"; {len(inapplicable)} not applicable here (need AMX tiles)" if inapplicable else "")
+          + (f"; {len(inapplicable)} not applicable here (" + ", ".join(sorted({why[m.needs] for m in inapplicable}))
+             + ")" if inapplicable else "")
           + (f"; {len(broken)} catalog error(s)" if broken else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

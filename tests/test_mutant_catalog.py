@@ -26,8 +26,16 @@ def test_tile_path_mutants_are_marked():
 def test_unknown_needs_is_a_catalog_error(tmp_path):
     (tmp_path / "x.toml").write_text('[[mutant]]\nid = "a"\nfile = "f"\noriginal = "x"\nreplacement = "y"\n'
                                      'breaks = "b"\nkillers = ["t"]\nneeds = "gpu"\n')
-    with pytest.raises(ValueError, match="only 'amx' is known"):
+    with pytest.raises(ValueError, match="known: amx, triton"):
         load(tmp_path)
+
+
+def test_triton_mutants_name_their_implementation():
+    """A mutant of gpu/ breaks the Triton kernels, which the built-in's suite never calls:
+    it must be judged on them (`impl`) and be skippable where triton is absent (`needs`)."""
+    gpu = [m for m in load() if m.file.startswith("gpu/kernels")]
+    assert len(gpu) >= 6
+    assert all(m.needs == "triton" and m.impl == "gpu.paged:paged_attention" for m in gpu), gpu
 
 
 def test_mutmut_smoke_fails_on_timeouts_and_survivors():
