@@ -11,6 +11,7 @@
 | write: 1 GiB / 64 MiB pool                     | worst median ratio (1-token append, 128-token chunk) | <= 1.2x  |
 | serving: decode tok/s paged / dense            | from the serving trace                              | >= 1.6x  |
 | serving: peak KV bytes paged / dense           | from the serving trace                              | <= 0.55x |
+| latency: paged_attention overhead, B1 S1024 ps16 f32 | paged_attention median - paged_attention_with_metadata median, timed interleaved (bench/overhead.py) | <= 20 us |
 
 "Worst" is the strict reading: a goal is met only where every case meets it. Each goal
 also carries the median over its cases and the worst case's name.
@@ -19,6 +20,8 @@ also carries the median over its cases and the worst case's name.
 from __future__ import annotations
 
 import statistics
+
+OVERHEAD_GOAL = "latency: paged_attention overhead, B1 S1024 ps16 f32"
 
 
 def _name(c: dict) -> str:
@@ -86,6 +89,8 @@ def _bandwidth_bound(c: dict) -> bool:
 
 
 def _fmt(value, unit) -> str:
+    if unit == "us":
+        return f"{value * 1e6:.1f} us"
     return f"{value:.0%}" if unit == "%" else f"{value:.2f}x"
 
 
@@ -125,6 +130,10 @@ def evaluate(report: dict) -> list[dict]:
               [(ratios["peak_kv_bytes"], {"name": serving["trace_name"]})] if ratios else [], 0.55,
               at_least=False, why_missing="serving trace not run"),
     ]
+    overhead = [(r["overhead_s"], r) for r in report.get("overhead", [])
+                if (r["batch"], r["context"], r["page_size"], r["dtype"]) == (1, 1024, 16, "float32")]
+    goals.append(_goal(OVERHEAD_GOAL, overhead, 20e-6, at_least=False, unit="us",
+                       why_missing="overhead not measured"))
     return goals
 
 

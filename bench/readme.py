@@ -116,6 +116,11 @@ def render(report: dict) -> str:
             row = sorted((c for c in writes if c["tokens"] == n), key=lambda c: c["pool_mib"])
             out.append(f"| {n} token(s) | " + " | ".join(f"{c['median_s'] * 1e6:.1f} us" for c in row)
                        + f" | {row[-1]['ratio_vs_smallest_pool']:.2f}x |")
+    for r in report.get("overhead", []):
+        out += ["", f"Per-call overhead at B {r['batch']}, S {r['context']} (bench/overhead.py): paged_attention "
+                f"{r['paged_median_s'] * 1e6:.1f} us - paged_attention_with_metadata "
+                f"{r['with_metadata_median_s'] * 1e6:.1f} us = {r['overhead_s'] * 1e6:.1f} us; its checks "
+                f"alone {r['validation_median_s'] * 1e6:.1f} us (PagedMetadata.build {r['build_median_s'] * 1e6:.1f} us)."]
     s = report.get("serving")
     if s:
         r, v = s["ratios"], s["variants"]

@@ -8,7 +8,8 @@ then rewrites README.md's results (bench/readme.py). The machine's limits are me
 at the start and the end of the run (bench/machine.py; the higher of each is used).
 
 JSON: `machine` (versions, threads), `limits`, `level`, `cases` (one per op x path x
-case, timed or `"skipped": reason`), `serving` (bench/serving.py's report and its
+case, timed or `"skipped": reason`), `overhead` (bench/overhead.py: the per-call cost of
+validation, one row per batch size), `serving` (bench/serving.py's report and its
 ratios), `goals`, `wall_s`. A timed case has:
 
 | field                              | meaning                                                   |
@@ -34,7 +35,7 @@ import time
 import impl
 
 from . import goals as goals_mod
-from . import grid, machine, paths, timing, write
+from . import grid, machine, overhead, paths, timing, write
 from .readme import median_cell as _ms
 
 
@@ -121,7 +122,9 @@ def run(level: str, *, with_serving: bool = True, log=print) -> dict:
     cases += write.run(level)
     limits = machine.best_of(first, machine.limits())
     _derive(cases, limits)
-    report = {"machine": machine.info(), "limits": limits, "level": level, "cases": cases}
+    log("per-call overhead ...")
+    report = {"machine": machine.info(), "limits": limits, "level": level, "cases": cases,
+              "overhead": overhead.run(level)}
     if with_serving:
         log("serving trace ...")
         report["serving"] = serving_section(level)
@@ -149,6 +152,11 @@ def table(report: dict) -> str:
         if c["op"] == "write":
             lines.append(f"write {c['tokens']:>3} token(s), {c['pool_mib']:>4} MiB pool: {c['median_s'] * 1e6:8.1f} us"
                          f"  (x{c['ratio_vs_smallest_pool']:.2f} of the smallest pool)")
+    for r in report.get("overhead", []):
+        lines.append(f"overhead B{r['batch']} S{r['context']}: paged_attention {r['paged_median_s'] * 1e6:.1f} us - "
+                     f"with_metadata {r['with_metadata_median_s'] * 1e6:.1f} us = {r['overhead_s'] * 1e6:.1f} us "
+                     f"(validation alone {r['validation_median_s'] * 1e6:.1f} us, build "
+                     f"{r['build_median_s'] * 1e6:.1f} us)")
     if "serving" in report:
         lines += ["", "serving: " + report["serving"]["table"]]
     lines.append("")

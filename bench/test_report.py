@@ -33,6 +33,10 @@ def test_report_fields(smoke_report):
             assert c["fma_fraction"] == pytest.approx(c["gflops"] / lim["fma_gflops"])
         if "median_s" in c and c["op"] != "write":
             assert c["paged_speedup"] > 0
+    assert [r["batch"] for r in smoke_report["overhead"]] == [1, 16]
+    for r in smoke_report["overhead"]:
+        assert r["paged_median_s"] > 0 and r["with_metadata_median_s"] > 0 and r["validation_median_s"] > 0
+        assert r["overhead_s"] == pytest.approx(r["paged_median_s"] - r["with_metadata_median_s"])
     assert [g["goal"] for g in smoke_report["goals"]] == [g["goal"] for g in goals.evaluate(smoke_report)]
     assert report.table(smoke_report)
 
@@ -95,3 +99,23 @@ def test_fp8_goals_read_the_bandwidth_bound_decodes():
     assert "median 1.75x over 2 cases" in speed["detail"]
     bandwidth = by_name["decode: fp8 pages bandwidth fraction, S >= 8192, B >= 4"]
     assert bandwidth["measured"] == 0.6 and bandwidth["met"] is False and "over 3 cases" in bandwidth["detail"]
+
+
+def _overhead(batch, paged_s, with_metadata_s):
+    return {"op": "overhead", "path": "paged", "batch": batch, "context": 1024, "page_size": 16, "dtype": "float32",
+            "paged_median_s": paged_s, "with_metadata_median_s": with_metadata_s, "overhead_s": paged_s - with_metadata_s}
+
+
+def test_overhead_goal_reads_the_b1_difference_of_medians():
+    """Issue 22: paged_attention's per-call overhead over the prebuilt-metadata path at
+    B 1, S 1024 (the B 16 row is reported, not judged); missing without the section."""
+    report = {"cases": [], "overhead": [_overhead(1, 180e-6, 165e-6), _overhead(16, 12e-3, 11e-3)]}
+    goal = next(g for g in goals.evaluate(report) if g["goal"] == goals.OVERHEAD_GOAL)
+    assert goal["measured"] == pytest.approx(15e-6) and goal["met"] is True
+    assert goal["detail"] == "worst B1 S1024 ps16 float32"
+    assert goals.describe(goal) == ("15.0 us", "<= 20.0 us")
+    report["overhead"][0] = _overhead(1, 200e-6, 165e-6)
+    goal = next(g for g in goals.evaluate(report) if g["goal"] == goals.OVERHEAD_GOAL)
+    assert goal["met"] is False and goals.describe(goal)[0] == "35.0 us"
+    goal = next(g for g in goals.evaluate({"cases": []}) if g["goal"] == goals.OVERHEAD_GOAL)
+    assert goal["met"] is None and goal["detail"] == "overhead not measured"

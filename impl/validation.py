@@ -231,24 +231,42 @@ def check_pipeline(geom: Geometry, pipeline: ScorePipeline) -> KernelOptions:
 
 def check_metadata_values(block_table: np.ndarray, context_lens: np.ndarray, *, page_size: int,
                           num_pages: int, query_len: int) -> None:
-    """Value rules on host copies of the metadata; raises naming the request / page."""
+    """Value rules on int32 host copies of the metadata; raises naming the request / page.
+
+    One vectorized pass, no Python loop over requests or pages: each rule's violations
+    are found for every request at once, then the first offending request is named as a
+    loop over them would: its first broken rule in the order context_negative,
+    context_short, table_short, page_id (at its first bad column among those it reads).
+    Request b reads column j when j < ceil(ctx / page_size), i.e. j * page_size < ctx,
+    and needs more than max_pages pages when ctx > max_pages * page_size. The bounds are
+    Python ints, which NumPy 2 compares exactly with int32 values however large they are."""
     max_pages = block_table.shape[1]
-    for b, ctx in enumerate(context_lens.tolist()):
-        if ctx < 0:
-            raise ContractViolation("context_negative", f"context_lens[{b}] = {ctx} is negative")
-        if 0 < ctx < query_len:
-            raise ContractViolation("context_short", f"context_lens[{b}] = {ctx} is shorter than the query "
-                                    f"length L={query_len}: a non-empty request holds its L new positions")
-        pages = -(-ctx // page_size)
-        if pages > max_pages:
-            raise ContractViolation("table_short", f"request {b} needs {pages} pages (context {ctx}, page_size "
-                                    f"{page_size}) but block_table rows hold max_pages={max_pages}")
-        row = block_table[b, :pages]
-        bad = np.flatnonzero((row < 0) | (row >= num_pages))
-        if bad.size:
-            i = int(bad[0])
-            raise ContractViolation("page_id", f"block_table[{b}, {i}] = {int(row[i])} is outside the pool "
-                                    f"[0, {num_pages}) (request {b} reads logical page {i})")
+    ctx = context_lens
+    negative = ctx < 0
+    short = (ctx > 0) & (ctx < query_len)
+    table_short = ctx > max_pages * page_size
+    # as uint32 a negative id is 2**31 or more: past any pool (the bound is clamped there)
+    outside = block_table.view(np.uint32) >= min(max(num_pages, 0), 1 << 31)
+    # a row reads a bad page iff it reads its first bad column (a row without columns: none)
+    first_bad = outside.argmax(axis=1) if max_pages else np.zeros(len(ctx), np.intp)
+    bad_page = outside[np.arange(len(ctx)), first_bad] & (first_bad * min(page_size, 1 << 31) < ctx) \
+        if max_pages else False
+    offends = negative | short | table_short | bad_page
+    b = int(offends.argmax()) if len(ctx) else 0
+    if not (len(ctx) and offends[b]):
+        return
+    ctx = int(context_lens[b])
+    if negative[b]:
+        raise ContractViolation("context_negative", f"context_lens[{b}] = {ctx} is negative")
+    if short[b]:
+        raise ContractViolation("context_short", f"context_lens[{b}] = {ctx} is shorter than the query "
+                                f"length L={query_len}: a non-empty request holds its L new positions")
+    if table_short[b]:
+        raise ContractViolation("table_short", f"request {b} needs {-(-ctx // page_size)} pages (context {ctx}, "
+                                f"page_size {page_size}) but block_table rows hold max_pages={max_pages}")
+    i = int(first_bad[b])
+    raise ContractViolation("page_id", f"block_table[{b}, {i}] = {int(block_table[b, i])} is outside the pool "
+                            f"[0, {num_pages}) (request {b} reads logical page {i})")
 
 
 def _host_int32(name, x) -> np.ndarray:

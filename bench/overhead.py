@@ -1,0 +1,114 @@
+"""Per-call overhead of `paged_attention` over the serving path (issue 22, point 4).
+
+`paged_attention` checks every argument and builds a `PagedMetadata` (one host read of
+the block table and context lengths, one vectorized pass over their values, fresh MLX
+copies for the kernel) on every call; `paged_attention_with_metadata` takes metadata
+built once. On the same inputs the two run the same kernel, so the difference of their
+medians is what validation costs a call:
+
+| field                  | meaning                                                            |
+|------------------------|--------------------------------------------------------------------|
+| `paged_median_s`       | `paged_attention` + eval                                           |
+| `with_metadata_median_s` | `paged_attention_with_metadata` (metadata built once) + eval     |
+| `overhead_s`           | `paged_median_s - with_metadata_median_s` (goal at B 1: <= 20 us, bench/goals.py) |
+| `validation_median_s`  | everything `paged_attention` does before the primitive, alone      |
+| `build_median_s`       | `PagedMetadata.build` alone (part of the above)                    |
+
+The two calls are timed once each per round, in turn (like bench/write.py), so a burst
+of load from another job lands on both alike; the checks alone are timed the same way in
+a loop of their own (after a kernel call its worker threads keep spinning for a while,
+which would slow a check timed right after it several times over). In `paged` the checks
+do run right after the previous call's kernel, so on a loaded 2-core machine
+`overhead_s` is several times `validation_median_s`: that is the cost a caller sees. Cases: Hq 32, Hkv 8, D 128,
+one new token, S 1024, pages of 16, float32, at B 1 (the goal) and B 16 (where the
+kernel's ~10 ms make the difference noisy: reported, not judged).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+import impl
+from contract import ScorePipeline
+from impl.validation import PagedMetadata, check_arrays, check_pipeline
+
+from . import timing
+from .grid import SHAPE
+
+BATCHES = (1, 16)
+CONTEXT, PAGE_SIZE, DTYPE = 1024, 16, "float32"
+GOAL_BATCH = 1
+# rounds at B 1; B 16 gets a tenth (its kernel is ~50x slower)
+ROUNDS = {"smoke": 5, "quick": 1500, "full": 5000}
+CALLS = ("paged", "with_metadata")
+CHECKS = ("validation", "build")
+
+
+def setup(batch: int):
+    """(query, key_pages, value_pages, block_table, context_lens): `batch` requests of
+    CONTEXT positions over their own pages, evaluated."""
+    pages = CONTEXT // PAGE_SIZE
+    P = batch * pages
+    key = mx.random.key(batch)
+    kp = mx.random.normal((P, SHAPE["kv_heads"], PAGE_SIZE, SHAPE["head_dim"]), key=key)
+    vp = mx.random.normal((P, SHAPE["kv_heads"], PAGE_SIZE, SHAPE["head_dim"]), key=mx.random.split(key)[0])
+    q = mx.random.normal((batch, SHAPE["q_heads"], 1, SHAPE["head_dim"]), key=mx.random.split(key)[1])
+    table = mx.array(np.random.default_rng(batch).permutation(P).astype(np.int32).reshape(batch, pages))
+    lens = mx.array(np.full(batch, CONTEXT, dtype=np.int32))
+    args = tuple(x.astype(getattr(mx, DTYPE)) for x in (q, kp, vp)) + (table, lens)
+    mx.eval(*args)
+    return args
+
+
+def callables(args) -> dict:
+    """{name: zero-argument callable} for the paths compared (see the module docstring)."""
+    q, kp, vp, table, lens = args
+    meta = PagedMetadata.build(table, lens, page_size=PAGE_SIZE, num_pages=kp.shape[0], query_len=q.shape[2])
+
+    def paged():
+        mx.eval(impl.paged_attention(q, kp, vp, table, lens, PAGE_SIZE))
+
+    def with_metadata():
+        mx.eval(impl.paged_attention_with_metadata(q, kp, vp, meta))
+
+    def validation():  # impl/attention.py paged_attention, up to the primitive
+        pipeline = ScorePipeline(None, "causal", None, None, None, None, False, None, None, None)
+        geom = check_arrays(q, kp, vp, table, lens, PAGE_SIZE, None)
+        check_pipeline(geom, pipeline)
+        PagedMetadata.build(table, lens, page_size=geom.page_size, num_pages=geom.num_pages,
+                            query_len=geom.query_len)
+
+    def build():
+        PagedMetadata.build(table, lens, page_size=PAGE_SIZE, num_pages=kp.shape[0], query_len=q.shape[2])
+
+    return {"paged": paged, "with_metadata": with_metadata, "validation": validation, "build": build}
+
+
+def interleaved(runs: dict, rounds: int) -> dict:
+    """{name: [seconds]}: every callable once per round, in turn, after untimed warm-up."""
+    for fn in runs.values():
+        timing.settle(fn)
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            times[name].append(timing.timed(fn))
+    return times
+
+
+def run(level: str) -> list[dict]:
+    """One row per batch size."""
+    rows = []
+    for batch in BATCHES:
+        rounds = ROUNDS[level] if batch == GOAL_BATCH else max(ROUNDS["smoke"], ROUNDS[level] // 10)
+        runs = callables(setup(batch))
+        # the checks alone in a loop of their own: right after a kernel call its worker
+        # threads still spin for a while, which would slow them several times over
+        times = {**interleaved({k: runs[k] for k in CALLS}, rounds),
+                 **interleaved({k: runs[k] for k in CHECKS}, ROUNDS[level])}
+        med = {name: timing.summary(t)["median_s"] for name, t in times.items()}
+        rows.append({"op": "overhead", "path": "paged", "batch": batch, "context": CONTEXT,
+                     "page_size": PAGE_SIZE, "dtype": DTYPE, "query_len": 1, "rounds": rounds,
+                     **{f"{name}_median_s": m for name, m in med.items()},
+                     "overhead_s": med["paged"] - med["with_metadata"]})
+    return rows
