@@ -10,6 +10,15 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, settings
 
+# --- Triton's interpreter where no NVIDIA GPU is visible (gpu/, peers/vllm_triton.py) ---
+# triton decorates its own library (tl.cdiv, tl.max, ...) when first imported, as
+# interpreter functions only if TRITON_INTERPRET=1 is set by then; a test module that
+# imports torch or triton first would leave them compiled-mode functions that a kernel
+# under the interpreter cannot call. So it is set here, before any test module runs,
+# without importing torch: the NVIDIA driver's control device says whether a GPU can be.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # --- hypothesis profiles (tests/test_properties.py, tests/test_*_machine.py) ---------
 # "ci" (default): fixed examples (derandomize) and no example database, so runs are
 # reproducible. "thorough": random and many more examples; each state machine runs
