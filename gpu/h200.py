@@ -138,28 +138,10 @@ def import_torch(dry_run: bool):
 
 
 def import_paged(notes: list):
-    """gpu.paged; it builds its conformance bridge at import (MLX): where that cannot import,
-    the module is loaded with a stand-in bridge (attention and plan need neither)."""
-    try:
-        import gpu.paged as paged
-        return paged
-    except ImportError as e:
-        import types
+    """gpu.paged (its conformance bridge, which needs MLX, is built only on first access)."""
+    import gpu.paged as paged
 
-        notes.append(f"gpu.paged imported with a stand-in conformance bridge ({type(e).__name__}: {e})")
-        for name in [m for m in sys.modules if m == "gpu.paged" or m == "conformance" or m.startswith("conformance.")]:
-            del sys.modules[name]
-        pkg = types.ModuleType("conformance")
-        pkg.__path__ = []
-        bridges = types.ModuleType("conformance.bridges")
-        bridges.from_torch = lambda *a, **k: None
-        pkg.bridges = bridges
-        sys.modules["conformance"], sys.modules["conformance.bridges"] = pkg, bridges
-        try:
-            import gpu.paged as paged
-        finally:
-            del sys.modules["conformance"], sys.modules["conformance.bridges"]
-        return paged
+    return paged
 
 
 # --- timing ------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@
 # bench    python -m gpu.h200 --out OUT --budget-s N: N fits the deadline (below) after the later steps' shares
 # memcheck compute-sanitizer --tool memcheck around python -m gpu.h200 --memcheck-case (a few small decode and
 #          prefill calls, checked), torch's caching allocator off so every tensor is its own allocation
+#          (no compute-sanitizer found: the case alone, its results still checked)
 # catalog  python -m conformance --impl gpu.paged:paged_attention --out OUT/catalog [-n W] with a timeout
 #          (pytest-xdist's -n when importable; --continue-on-collection-errors when the kernels did not build:
 #          the test modules that import impl/ cannot be collected then, the report says which)
@@ -28,7 +29,7 @@
 # Time: everything ends within H200_DEADLINE_S (default 570 s, under the device's 600 s per command).
 # Knobs (seconds): H200_BENCH_BUDGET_S (most for bench, default 420), H200_MEMCHECK_S (default 100),
 # H200_CATALOG_S (share kept for the catalog, default 180; it then gets all that is left), H200_WORKERS
-# (catalog workers, default 8). The wheelhouse: carry it (run's `carry: ["build/h200-wheelhouse"]`);
+# (catalog workers, default 12). The wheelhouse: carry it (run's `carry: ["build/h200-wheelhouse"]`);
 # H200_WHEELHOUSE_NUMPY=1 adds numpy (16 MiB a Python version) for an image without it.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -171,12 +172,20 @@ stamp_of_sources() {
 setup() {  # prints notes to setup.log; returns non-zero when the kernels are not importable
   local wh notes=() mode=venv pipx=()
   wh=$(find_wheelhouse) || { wh=""; notes+=("no wheelhouse (build/h200-wheelhouse, wheelhouse/ or \$H200_WHEELHOUSE)"); }
-  if [ -x "$VENV/bin/python" ] || $PY -m venv --system-site-packages "$VENV"; then
+  if { [ -x "$VENV/bin/python" ] || $PY -m venv --system-site-packages "$VENV"; } \
+      && "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
     VPY=$VENV/bin/python
     export PATH="$root/$VENV/bin:$PATH"
+    if ! $VPY -c "import torch, triton" 2>/dev/null && $PY -c "import torch, triton" 2>/dev/null; then
+      # $PY is itself a venv (or the like): --system-site-packages gave the base interpreter's, so the
+      # image's site dirs go in by a .pth file
+      $PY -c "import site, sys; print('\n'.join(p for p in sys.path if p.endswith('-packages')))" \
+        > "$($VPY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_h200_image.pth"
+      notes+=("the image's site dirs added by _h200_image.pth")
+    fi
   else
     mode=target
-    notes+=("no venv ($PY -m venv failed): pip --target $SITE on PYTHONPATH")
+    notes+=("no venv with pip ($PY -m venv failed): pip --target $SITE on PYTHONPATH")
     rm -rf "$VENV"
     mkdir -p "$SITE"
     export PYTHONPATH="$root/$SITE${PYTHONPATH:+:$PYTHONPATH}"
@@ -223,6 +232,9 @@ run_setup() {
   if [ "$(left)" -lt 30 ]; then record setup skipped 0 "deadline"; return; fi
   setup > "$OUT/setup.log" 2>&1
   rc=$?
+  { echo "--- after setup: $VPY"; $VPY -m pip list --disable-pip-version-check 2>/dev/null \
+      | grep -i -E '^(torch|triton|numpy|mlx|mlx-cpu|pytest|pytest-xdist|hypothesis|nanobind|scikit-build-core|cmake|ninja|pagecheck) '; } \
+    >> "$OUT/versions.txt" 2>&1
   record setup "$rc" $((SECONDS - t0)) "$SETUP_NOTE"
 }
 
@@ -231,11 +243,9 @@ run_bench() {
   wants memcheck && rest=$((rest + ${H200_MEMCHECK_S:-100}))
   wants catalog && rest=$((rest + ${H200_CATALOG_S:-180}))
   budget=$(( $(left) - rest - 45 ))
+  [ "$budget" -lt 60 ] && budget=$(( $(left) - 45 ))  # the later steps give up their shares
   [ "$budget" -gt "${H200_BENCH_BUDGET_S:-420}" ] && budget=${H200_BENCH_BUDGET_S:-420}
-  if [ "$budget" -lt 60 ]; then
-    budget=$(( $(left) - 45 ))
-    [ "$budget" -lt 60 ] && { record bench skipped 0 "deadline: $(left) s left"; return; }
-  fi
+  [ "$budget" -lt 10 ] && { record bench skipped 0 "deadline: $(left) s left"; return; }
   limited $((budget + 60)) $VPY -m gpu.h200 --out "$OUT" --budget-s "$budget" 2>&1 | tee "$OUT/bench.log"
   rc=${PIPESTATUS[0]}
   record bench "$rc" $((SECONDS - t0)) "budget ${budget} s; $(tail -1 "$OUT/bench.log" | cut -c1-200)"
@@ -243,11 +253,18 @@ run_bench() {
 
 run_memcheck() {
   local t0=$SECONDS cs t rc
-  cs=$(find_sanitizer) || { record memcheck absent 0 "compute-sanitizer not found"; return; }
+  cs=$(find_sanitizer) || cs=""
   t=${H200_MEMCHECK_S:-100}
   wants catalog && [ $(( $(left) - 60 )) -lt "$t" ] && t=$(( $(left) - 60 ))
   ! wants catalog && [ $(( $(left) - 10 )) -lt "$t" ] && t=$(( $(left) - 10 ))
-  [ "$t" -lt 20 ] && { record memcheck skipped 0 "deadline"; return; }
+  [ "$t" -lt 20 ] && { record memcheck skipped 0 "deadline: $(left) s left"; return; }
+  if [ -z "$cs" ]; then  # no sanitizer: the case's own checks (the score options on the GPU) still run
+    limited "$t" $VPY -m gpu.h200 --memcheck-case > "$OUT/memcheck.log" 2>&1
+    rc=$?
+    tail -3 "$OUT/memcheck.log"
+    record memcheck "$rc" $((SECONDS - t0)) "compute-sanitizer absent: the case ran without it (1: a wrong result)"
+    return
+  fi
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 limited "$t" "$cs" --tool memcheck --error-exitcode 3 --print-limit 50 \
     --target-processes all $VPY -m gpu.h200 --memcheck-case > "$OUT/memcheck.log" 2>&1
   rc=$?
@@ -257,10 +274,10 @@ run_memcheck() {
 
 run_catalog() {
   local t0=$SECONDS t rc args=() note=""
-  t=$(( $(left) - 10 ))
+  t=$(( $(left) - 40 ))  # room for pytest's orderly stop (report written) after the SIGINT, and the kill after
   [ "$t" -gt "${H200_CATALOG_MAX_S:-400}" ] && t=${H200_CATALOG_MAX_S:-400}
   [ "$t" -lt 30 ] && { record catalog skipped 0 "deadline: $(left) s left"; return; }
-  $VPY -c "import xdist" 2>/dev/null && args+=(-n "${H200_WORKERS:-8}") || note="no pytest-xdist: one process; "
+  $VPY -c "import xdist" 2>/dev/null && args+=(-n "${H200_WORKERS:-12}") || note="no pytest-xdist: one process; "
   $VPY -c "import pagecheck_kernels" 2>/dev/null || { args+=(--continue-on-collection-errors); note+="kernels not built: partial; "; }
   # SIGINT at the timeout: pytest stops as on Ctrl-C and still writes the report of what ran
   limited -s INT "$t" $VPY -m conformance --impl gpu.paged:paged_attention --out "$OUT/catalog" "${args[@]}" \
@@ -272,7 +289,14 @@ run_catalog() {
 
 echo "h200: steps ${STEPS[*]}; deadline ${DEADLINE} s; out $OUT"
 versions
-if [ -x "$VENV/bin/python" ] && ! wants setup; then VPY=$VENV/bin/python; export PATH="$root/$VENV/bin:$PATH"; fi
+if ! wants setup; then  # what an earlier call's setup left on this machine
+  if [ -x "$VENV/bin/python" ]; then
+    VPY=$VENV/bin/python
+    export PATH="$root/$VENV/bin:$PATH"
+  elif [ -d "$SITE" ]; then
+    export PYTHONPATH="$root/$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$root/$SITE/bin:$PATH"
+  fi
+fi
 wants setup && run_setup
 wants bench && run_bench
 wants memcheck && run_memcheck

@@ -162,10 +162,13 @@ CAPABILITIES = dict(dtypes=["float32", "float16", "bfloat16"], softcap=True, ali
                     value_head_dim=True, error_types=[ValueError, TypeError])
 
 
-def _bridge():
+def __getattr__(name):
+    """`paged_attention`, built on first access: the bridge imports conformance and MLX,
+    which `attention` and `plan` do not need (gpu/h200.py runs them on a GPU image)."""
+    if name != "paged_attention":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from conformance.bridges import from_torch
 
-    return from_torch(attention, device=DEVICE, **CAPABILITIES)
-
-
-paged_attention = _bridge()
+    fn = from_torch(attention, device=DEVICE, **CAPABILITIES)
+    globals()["paged_attention"] = fn
+    return fn
