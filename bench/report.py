@@ -22,7 +22,12 @@ ratios), `goals`, `wall_s`. A timed case has:
 | `limit_fraction` (decode)          | gbytes_per_s / the run's best read rate (`limits`)          |
 | `flops`, `gflops`, `flops_fraction` (prefill) | causal QK^T + PV FLOPs over the median, / measured sgemm |
 | `fma_fraction` (prefill)           | gflops / the measured FMA peak of the kernels' threads (above 1: not float32 FMAs) |
-| `paged_speedup`                    | this path's median / paged's median on the same case       |
+| `paged_speedup`                    | this path's median / paged's median on the same case (vllm_cpu: vLLM / pagecheck, above 1: pagecheck faster) |
+| `metadata_median_s`, `metadata_p95_s` (vllm_cpu) | vLLM's per-step `get_scheduler_metadata` alone, timed in the same turns (not in `median_s`) |
+| `order` (vllm_cpu)                 | timing.order_check(paged, vllm_cpu): vLLM / paged timed interleaved and in blocks, and whether they agree |
+
+vllm_cpu is an optional extra (bench/grid.py): where vLLM CPU's ops cannot be loaded its
+rows are `"skipped": reason` and its goals are not measured.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from .readme import median_cell as _ms
 
 
 READ = "read"  # the read limit's stream, timed beside each decode case
+VLLM_METADATA = "vllm_cpu metadata"  # vLLM's per-step metadata build, timed beside its kernel
+ORDER_MAX_ROUNDS = 300  # per order in timing.order_check (paged vs vllm_cpu)
 
 
 def attention_cases(level: str, log=print) -> list[dict]:
@@ -57,7 +64,15 @@ def attention_cases(level: str, log=print) -> list[dict]:
             runs = {path: paths.make(path, pools.case_for(spec, path)) for path in timed}
             if spec.op == "decode":
                 runs[READ] = reader
+            if "vllm_cpu" in runs:
+                runs[VLLM_METADATA] = runs["vllm_cpu"].metadata
             times = timing.side_by_side(runs, level)
+            extra = {}
+            if "vllm_cpu" in runs and "paged" in runs:
+                meta = timing.summary(times[VLLM_METADATA])
+                rounds = min(len(times["paged"]), len(times["vllm_cpu"]), ORDER_MAX_ROUNDS)
+                extra = {"metadata_median_s": meta["median_s"], "metadata_p95_s": meta["p95_s"],
+                         "order": timing.order_check(runs["paged"], runs["vllm_cpu"], rounds)}
             read = {}
             if READ in times:
                 read["read_gbytes_per_s"] = reader.nbytes / timing.summary(times[READ])["median_s"] / 1e9
@@ -67,6 +82,8 @@ def attention_cases(level: str, log=print) -> list[dict]:
                     rows.append({**row, "skipped": skipped[path]})
                     continue
                 row.update(timing.summary(times[path]), bytes=spec.io_bytes(path), flops=spec.flops(), **read)
+                if path == "vllm_cpu":
+                    row.update(extra)
                 rows.append(row)
                 log(f"  {spec.id:<36} {path:<13} {row['median_s'] * 1e3:10.3f} ms  ({row['rounds']} rounds)")
             del runs, times
@@ -157,6 +174,7 @@ def table(report: dict) -> str:
                      f"with_metadata {r['with_metadata_median_s'] * 1e6:.1f} us = {r['overhead_s'] * 1e6:.1f} us "
                      f"(validation alone {r['validation_median_s'] * 1e6:.1f} us, build "
                      f"{r['build_median_s'] * 1e6:.1f} us)")
+    lines += vllm_lines(report["cases"])
     if "serving" in report:
         lines += ["", "serving: " + report["serving"]["table"]]
     lines.append("")
@@ -165,6 +183,30 @@ def table(report: dict) -> str:
         lines.append(f"{g['goal']:<48} {measured:>8}  goal {target:<8} {goals_mod.verdict(g):<8} {g['detail']}")
     lines.append(f"wall time {report['wall_s']:.0f} s")
     return "\n".join(lines)
+
+
+def vllm_lines(cases: list[dict]) -> list[str]:
+    """vLLM CPU / pagecheck per shape (above 1: pagecheck faster), the interleaved and
+    blocked ratios of the order check, and vLLM's metadata build; one line when skipped."""
+    rows = [c for c in cases if c["path"] == "vllm_cpu"]
+    timed = [c for c in rows if "paged_speedup" in c]
+    if not timed:
+        return [f"vllm_cpu: skipped: {rows[0]['skipped']}"] if rows and "skipped" in rows[0] else []
+    lines = ["", "vLLM CPU / pagecheck paged_attention_with_metadata, median (above 1: pagecheck faster); "
+             f"order check: interleaved / blocked (flagged beyond {timing.ORDER_TOLERANCE:.0%}); vLLM metadata"]
+    for c in rows:
+        name = f"{c['op']} B{c['batch']} S{c['context']} ps{c['page_size']} {c['dtype']}"
+        if "skipped" in c:
+            lines.append(f"  {name:<34} skipped: {c['skipped']}")
+            continue
+        if "paged_speedup" not in c:
+            continue
+        o = c.get("order")
+        order = "" if not o else (f"  order {o['interleaved_ratio']:.2f}x / {o['blocked_ratio']:.2f}x"
+                                  + ("" if o["agree"] else "  DISAGREE"))
+        meta = f"  metadata {c['metadata_median_s'] * 1e6:.1f} us" if "metadata_median_s" in c else ""
+        lines.append(f"  {name:<34} {c['paged_speedup']:6.2f}x{order}{meta}")
+    return lines
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,8 @@ Each benchmark's extra_info carries its bytes (decode) or FLOPs (prefill), so
 `--benchmark-json` holds everything needed for bandwidth and GFLOP/s.
 """
 
+import warnings
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -51,17 +53,56 @@ def test_operator(request, benchmark, pools, spec, path):
     benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=0)
 
 
+def test_vllm_cpu_metadata(request, benchmark, pools, spec):
+    """vLLM's per-step scheduler metadata alone (`get_scheduler_metadata`), timed apart
+    from its kernel call (test_operator's vllm_cpu rows), as issue 22 asks."""
+    reason = grid.skip_reason(spec, "vllm_cpu")
+    if reason:
+        pytest.skip(reason)
+    meta = paths.make("vllm_cpu", pools.case(spec)).metadata
+    benchmark.group = f"{spec.id}"
+    benchmark.extra_info.update(spec.describe(), path="vllm_cpu metadata")
+    if benchmark.disabled:
+        benchmark(meta)
+        return
+    rounds = timing.rounds_for(timing.timed(meta), _level(request.config))
+    benchmark.pedantic(meta, rounds=rounds, iterations=1, warmup_rounds=0)
+
+
+def test_vllm_cpu_order(request, benchmark, pools, spec):
+    """With --benchmark-only: vllm_cpu / paged timed interleaved and in blocks
+    (timing.order_check, quick budget); both ratios and whether they agree go into
+    extra_info (--benchmark-json) of a one-round benchmark of the pair (paged, then
+    vllm_cpu). A disagreement beyond timing.ORDER_TOLERANCE is a warning, not a failure:
+    it says which order to trust under load, not that a kernel is wrong."""
+    if benchmark.disabled:
+        pytest.skip("timed with --benchmark-only")
+    reason = grid.skip_reason(spec, "paged") or grid.skip_reason(spec, "vllm_cpu")
+    if reason:
+        pytest.skip(reason)
+    case = pools.case(spec)
+    paged, vllm = paths.make("paged", case), paths.make("vllm_cpu", case)
+    rounds = min(timing.rounds_for(timing.timed(paged), "quick"), timing.rounds_for(timing.timed(vllm), "quick"))
+    order = timing.order_check(paged, vllm, rounds)
+    benchmark.group = f"{spec.id}"
+    benchmark.extra_info.update(spec.describe(), path="paged, then vllm_cpu (order check)", **order)
+    benchmark.pedantic(lambda: (paged(), vllm()), rounds=1, iterations=1, warmup_rounds=0)
+    if not order["agree"]:
+        warnings.warn(f"{spec.id}: vllm_cpu / paged interleaved {order['interleaved_ratio']:.2f}x vs blocked "
+                      f"{order['blocked_ratio']:.2f}x (beyond {timing.ORDER_TOLERANCE:.0%})")
+
+
 def test_paths_agree(request, pools, spec):
     """Every timed path computes the same attention (smoke grid only: the check is for
     the benchmark's own set-up, e.g. torch's causal mask alignment)."""
     if _level(request.config) != "smoke":
         pytest.skip("checked by the smoke grid (plain pytest)")
     case = pools.case(spec)
-    want = paths.as_numpy(paths.make("paged", case)())
+    want = paths.result(paths.make("paged", case))
     tol = 2e-2 if spec.dtype == "bfloat16" else 1e-4
     for path in grid.PATHS:
         if grid.skip_reason(spec, path) is None and path not in grid.KV_PATHS:
-            got = paths.as_numpy(paths.make(path, case)())
+            got = paths.result(paths.make(path, case))
             np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{path} vs paged at {spec.id}")
 
 

@@ -90,3 +90,42 @@ def test_settle_calls_a_long_call_once(monkeypatch):
     calls = []
     timing.settle(lambda: (calls.append(1), time.sleep(0.01)))
     assert len(calls) == 1
+
+
+def test_orders_agree_within_the_tolerance():
+    assert timing.orders_agree(1.0, 1.0 + timing.ORDER_TOLERANCE * 0.99)
+    assert timing.orders_agree(1.1, 1.0) and timing.orders_agree(1.0, 1.1)
+    assert not timing.orders_agree(2.0, 1.0) and not timing.orders_agree(1.0, 2.0)
+    assert timing.orders_agree(1.0, 1.3, tolerance=0.5)
+
+
+def _spinning_clock(monkeypatch, cost, penalty):
+    """A fake `timed`: a call takes cost[path], plus `penalty` when the previous call
+    (timed or not) was the other path's: its workers still spinning."""
+    last = [None]
+
+    def run(path):
+        def fn():
+            extra = penalty if last[0] not in (None, path) else 0.0
+            last[0] = path
+            return cost[path] + extra
+        return fn
+
+    monkeypatch.setattr(timing, "timed", lambda fn: fn())
+    monkeypatch.setattr(timing, "settle", lambda fn: fn())  # one untimed call
+    return run("a"), run("b")
+
+
+def test_order_check_flags_a_kernel_charged_for_the_others_spinning(monkeypatch):
+    a, b = _spinning_clock(monkeypatch, {"a": 1.0, "b": 2.0}, penalty=1.0)
+    out = timing.order_check(a, b, 10)
+    assert out["blocked_ratio"] == 2.0, "in blocks (after an untimed settle call) neither pays the penalty"
+    assert out["interleaved_ratio"] == 1.5, "interleaved, b pays it every time and a every time but the first"
+    assert out["agree"] is False and out["rounds"] == 10
+    assert out["interleaved_median_s"] == [2.0, 3.0] and out["blocked_median_s"] == [1.0, 2.0]
+
+
+def test_order_check_agrees_without_spinning(monkeypatch):
+    a, b = _spinning_clock(monkeypatch, {"a": 1.0, "b": 3.0}, penalty=0.0)
+    out = timing.order_check(a, b, 4)
+    assert out["interleaved_ratio"] == out["blocked_ratio"] == 3.0 and out["agree"] is True

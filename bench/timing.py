@@ -22,6 +22,14 @@ Each turn starts with untimed calls for at least SETTLE_S (one call at least), s
 is timed on caches or beside spinning threads left behind by the previous one: torch's
 OpenMP workers keep spinning for milliseconds after a call, and an earlier attempt that
 alternated paths round by round measured whichever path came next 2-4x slower.
+
+`order_check(a, b, rounds)` measures that effect for one pair (the report runs it for
+`paged` and `vllm_cpu`, whose idle workers both spin after a call): b's median over a's,
+timed interleaved (a, b, a, b, ..., every call timed) and in blocks (a's rounds, then
+b's, then b's, then a's, half the rounds each, untimed calls for SETTLE_S ahead of every
+block). The two ratios disagree when the larger exceeds the smaller by more than
+ORDER_TOLERANCE: then one order charges a kernel for the other's spinning, and the
+blocked ratio is the one to trust.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ PASSES = {"smoke": 1, "quick": 4, "full": 5}
 SETTLE_S = 0.03
 SLOW_S = 2.0
 VERY_SLOW_S = 10.0
+ORDER_TOLERANCE = 0.15  # interleaved vs blocked ratio: more than 15% apart is flagged
 
 
 def timed(fn) -> float:
@@ -85,3 +94,29 @@ def summary(times) -> dict:
     ordered = sorted(times)
     p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
     return {"median_s": statistics.median(ordered), "p95_s": p95, "min_s": ordered[0], "rounds": len(ordered)}
+
+
+def orders_agree(interleaved_ratio: float, blocked_ratio: float, tolerance: float = ORDER_TOLERANCE) -> bool:
+    """Whether the larger ratio is within `tolerance` (relative) of the smaller."""
+    low, high = sorted((interleaved_ratio, blocked_ratio))
+    return high <= low * (1 + tolerance)
+
+
+def order_check(a, b, rounds: int) -> dict:
+    """b's median / a's median, timed interleaved and in blocks (module docstring)."""
+    rounds = max(2, rounds)
+    inter_a, inter_b = [], []
+    for _ in range(rounds):
+        inter_a.append(timed(a))
+        inter_b.append(timed(b))
+    half = max(1, rounds // 2)
+    block_a, block_b = [], []
+    for fn, into in ((a, block_a), (b, block_b), (b, block_b), (a, block_a)):
+        settle(fn)
+        into += [timed(fn) for _ in range(half)]
+    interleaved = statistics.median(inter_b) / statistics.median(inter_a)
+    blocked = statistics.median(block_b) / statistics.median(block_a)
+    return {"interleaved_ratio": interleaved, "blocked_ratio": blocked, "agree": orders_agree(interleaved, blocked),
+            "tolerance": ORDER_TOLERANCE, "rounds": rounds,
+            "interleaved_median_s": [statistics.median(inter_a), statistics.median(inter_b)],
+            "blocked_median_s": [statistics.median(block_a), statistics.median(block_b)]}

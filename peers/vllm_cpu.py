@@ -40,22 +40,45 @@ def _isa(dtype, page_size: int, head_dim: int) -> str:
     return "amx" if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() else "vec"
 
 
-def vllm_cpu_attention(*, query, cu_seqlens_q, max_seqlen_q, key_cache, value_cache, block_table, seq_lens,
-                       page_size, scale, causal, window):
+def to_cache(key_cache, value_cache, isa: str, dtype=None, cache=None):
+    """(k, v): a pool [P, Hkv, ps, D] written into vLLM's cache by its own
+    `cpu_attn_reshape_and_cache`, every slot (the in-block layout depends on `isa`).
+    `dtype`: the cache's (default the pool's); `cache`: a [P, Hkv, 2 * ps, D] tensor to
+    write into (default a fresh one). Also bench/paths.py's `vllm_cpu` conversion."""
     P, Hkv, ps, D = key_cache.shape
-    isa = _isa(query.dtype, ps, D)
-    cache = torch.empty((P, Hkv, 2 * ps, D), dtype=query.dtype)  # vLLM's [P, Hkv, ps, 2D] viewed K slab | V slab
+    if cache is None:  # vLLM's [P, Hkv, ps, 2D] viewed K slab | V slab
+        cache = torch.empty((P, Hkv, 2 * ps, D), dtype=dtype or key_cache.dtype)
     k, v = cache.chunk(2, dim=2)
     tokens = lambda x: x.transpose(1, 2).reshape(P * ps, Hkv, D)  # noqa: E731 - slot-major, as vLLM writes
     _C.cpu_attn_reshape_and_cache(tokens(key_cache), tokens(value_cache), k, v,
                                   torch.arange(P * ps, dtype=torch.int64), isa)
+    return k, v
+
+
+def metadata(*, query, cu_seqlens_q, seq_lens, kv_heads, head_dim, causal, window, isa):
+    """The per-step scheduler metadata vLLM's CPU backend builds before each call."""
     w = -1 if window is None else int(window)
-    meta = _C.get_scheduler_metadata(len(seq_lens), query.shape[1], Hkv, D, seq_lens, query.dtype, cu_seqlens_q,
-                                     causal, w, isa, True, None)  # VLLM_CPU_ATTN_SPLIT_KV's default
-    out = torch.empty_like(query)
+    return _C.get_scheduler_metadata(len(seq_lens), query.shape[1], kv_heads, head_dim, seq_lens, query.dtype,
+                                     cu_seqlens_q, causal, w, isa, True, None)  # VLLM_CPU_ATTN_SPLIT_KV's default
+
+
+def attend(out, *, query, k, v, cu_seqlens_q, seq_lens, block_table, scale, causal, window, meta):
+    """The attention op, called exactly as vLLM's CPU backend (v1/attention/backends/cpu_attn.py) does."""
+    w = -1 if window is None else int(window)
     _C.cpu_attention_with_kv_cache(query, k, v, out, cu_seqlens_q, seq_lens, scale, causal, None, w, block_table,
                                    0.0, meta, None, None)
     return out
+
+
+def vllm_cpu_attention(*, query, cu_seqlens_q, max_seqlen_q, key_cache, value_cache, block_table, seq_lens,
+                       page_size, scale, causal, window):
+    P, Hkv, ps, D = key_cache.shape
+    isa = _isa(query.dtype, ps, D)
+    k, v = to_cache(key_cache, value_cache, isa, query.dtype)
+    meta = metadata(query=query, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, kv_heads=Hkv, head_dim=D,
+                    causal=causal, window=window, isa=isa)
+    return attend(torch.empty_like(query), query=query, k=k, v=v, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+                  block_table=block_table, scale=scale, causal=causal, window=window, meta=meta)
 
 
 CAPABILITIES = dict(
