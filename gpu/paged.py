@@ -56,6 +56,10 @@ class Schedule:
             return 32 if head_dim <= 128 else 16
         return 64 if head_dim <= 128 else 32
 
+    def prefill_warps(self, head_dim: int, dtype) -> int:
+        # 16-bit 64 x 64 tiles at D 128 held 238-254 of 255 registers a thread with 4 warps
+        return 8 if dtype != torch.float32 and head_dim >= 128 else self.num_warps
+
 
 DEFAULT = Schedule()
 
@@ -122,7 +126,7 @@ def plan(query, key_pages, value_pages, block_table, context_lens, *, scale, mas
         return out, lse, [Launch(kernels.prefill_kernel, (B, HQ, triton.cdiv(L, block_m)),
                                  {**queries, **pages, **outputs, "L": L},
                                  {**{k: v for k, v in tiles.items() if k != "L"}, **finish, "BLOCK_M": block_m},
-                                 schedule.num_warps, num_stages=2)]
+                                 schedule.prefill_warps(max(DK, DV), query.dtype), num_stages=2)]
     # split-KV decode: the grid holds the most splits any row of this table could need
     ns = max(1, min(schedule.max_splits, triton.cdiv(block_table.shape[1] * PS, schedule.min_split)))
     part_o = torch.empty((B, HQ, L, ns, DV), dtype=torch.float32, device=dev)
