@@ -39,6 +39,15 @@ def pools(request):
     del made
 
 
+def _time(request, benchmark, fn):
+    """`fn` once where benchmarks are off (plain pytest), else for the rounds its level asks."""
+    if benchmark.disabled:
+        benchmark(fn)
+        return
+    rounds = timing.rounds_for(timing.timed(fn), _level(request.config))
+    benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=0)
+
+
 def test_operator(request, benchmark, pools, spec, path):
     reason = grid.skip_reason(spec, path)
     if reason:
@@ -46,11 +55,7 @@ def test_operator(request, benchmark, pools, spec, path):
     run = paths.make(path, pools.case_for(spec, path))
     benchmark.group = f"{spec.id}"
     benchmark.extra_info.update(spec.describe(), path=path, bytes=spec.io_bytes(path), flops=spec.flops())
-    if benchmark.disabled:
-        benchmark(run)
-        return
-    rounds = timing.rounds_for(timing.timed(run), _level(request.config))
-    benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=0)
+    _time(request, benchmark, run)
 
 
 def test_vllm_cpu_metadata(request, benchmark, pools, spec):
@@ -62,11 +67,7 @@ def test_vllm_cpu_metadata(request, benchmark, pools, spec):
     meta = paths.make("vllm_cpu", pools.case(spec)).metadata
     benchmark.group = f"{spec.id}"
     benchmark.extra_info.update(spec.describe(), path="vllm_cpu metadata")
-    if benchmark.disabled:
-        benchmark(meta)
-        return
-    rounds = timing.rounds_for(timing.timed(meta), _level(request.config))
-    benchmark.pedantic(meta, rounds=rounds, iterations=1, warmup_rounds=0)
+    _time(request, benchmark, meta)
 
 
 def test_vllm_cpu_order(request, benchmark, pools, spec):

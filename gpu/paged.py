@@ -115,7 +115,7 @@ def plan(query, key_pages, value_pages, block_table, context_lens, *, scale, mas
     queries = dict(Q=query, s_qb=query.stride(0), s_qh=query.stride(1), s_ql=query.stride(2))
     outputs = dict(O=out, LSE=lse, qk_log2=qk_log2, s_ob=out.stride(0), s_oh=out.stride(1), s_ol=out.stride(2),
                    Sinks=absent if sinks is None else sinks.contiguous())
-    tiles = dict(HQ=HQ, L=L, G=HQ // HKV, PS=PS, DK=DK, DV=DV, BLOCK_N=block_n, BLOCK_DK=_block(DK),
+    tiles = dict(HQ=HQ, G=HQ // HKV, PS=PS, DK=DK, DV=DV, BLOCK_N=block_n, BLOCK_DK=_block(DK),
                  BLOCK_DV=_block(DV), CAUSAL=mask == "causal", HAS_WINDOW=window is not None,
                  HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi_slopes is not None,
                  DOT_F32=interpreting() and query.dtype == torch.bfloat16,  # triton #11584
@@ -125,7 +125,7 @@ def plan(query, key_pages, value_pages, block_table, context_lens, *, scale, mas
         block_m = schedule.row_block(max(DK, DV), query.dtype)
         return out, lse, [Launch(kernels.prefill_kernel, (B, HQ, triton.cdiv(L, block_m)),
                                  {**queries, **pages, **outputs, "L": L},
-                                 {**{k: v for k, v in tiles.items() if k != "L"}, **finish, "BLOCK_M": block_m},
+                                 {**tiles, **finish, "BLOCK_M": block_m},
                                  schedule.prefill_warps(max(DK, DV), query.dtype), num_stages=2)]
     # split-KV decode: the grid holds the most splits any row of this table could need
     ns = max(1, min(schedule.max_splits, triton.cdiv(block_table.shape[1] * PS, schedule.min_split)))
@@ -134,7 +134,8 @@ def plan(query, key_pages, value_pages, block_table, context_lens, *, scale, mas
     part_l = torch.empty_like(part_m)
     parts = dict(OP=part_o, MP=part_m, LP=part_l, NS=ns)  # NS: a runtime int (no build per table width)
     decode = Launch(kernels.decode_split_kernel, (B, HKV, ns), {**queries, **pages, **parts},
-                    {**tiles, "MIN_SPLIT": schedule.min_split, "BLOCK_M": _block(HQ // HKV * L)}, schedule.num_warps)
+                    {**tiles, "L": L, "MIN_SPLIT": schedule.min_split, "BLOCK_M": _block(HQ // HKV * L)},
+                    schedule.num_warps)
     merge = Launch(kernels.merge_kernel, (B, HQ), {**parts, "CTX": context_lens, **outputs},
                    {"HQ": HQ, "L": L, "DV": DV, "BLOCK_DV": _block(DV), "BLOCK_L": triton.next_power_of_2(L),
                     "MIN_SPLIT": schedule.min_split, **finish}, schedule.num_warps)

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch", reason="the Triton kernels take torch tenso
 # gpu/ first: it picks the interpreter before triton is imported (triton reads it then)
 pytest.importorskip("gpu.paged", reason="the Triton kernels need triton (pip install '.[gpu]')")
 
+from conformance.bridges import TorchBridge  # noqa: E402
 from fixtures import bits, paged_case  # noqa: E402
 from gpu import kernels  # noqa: E402
 from gpu.paged import Schedule, attention, plan  # noqa: E402
@@ -33,16 +34,15 @@ from oracles.compare import compare  # noqa: E402
 SPLITS = Schedule(min_split=32, max_splits=12)
 
 
+BRIDGE = TorchBridge("cpu", None)  # the torch bridge's own conversions (bf16 moved as bits)
+
+
 def _tensor(x):
-    if x.dtype == mx.bfloat16:  # NumPy has no bfloat16: move the bits
-        return torch.from_numpy(np.array(x.view(mx.int16))).view(torch.bfloat16)
-    return torch.from_numpy(np.array(x))
+    return BRIDGE.to("array", x)
 
 
 def _mlx(t):
-    if t.dtype == torch.bfloat16:
-        return mx.array(t.view(torch.int16).numpy()).view(mx.bfloat16)
-    return mx.array(t.numpy())
+    return BRIDGE.back(t, None)
 
 
 def _options(case):
