@@ -53,23 +53,35 @@ class Mutant:
         return text.replace(self.original, self.replacement, 1)
 
 
+def load_file(path: Path) -> list[Mutant]:
+    """The `[[mutant]]` entries of one catalog file (ids unique within it)."""
+    mutants, seen = [], set()
+    for entry in tomllib.loads(path.read_text())["mutant"]:
+        missing = {"id", "file", "original", "replacement", "breaks", "killers"} - set(entry)
+        if missing:
+            raise ValueError(f"{path.name}: mutant {entry.get('id', '?')} lacks {sorted(missing)}")
+        if entry["id"] in seen:
+            raise ValueError(f"{path.name}: mutant id {entry['id']} appears twice")
+        if entry.get("needs") not in NEEDS:
+            raise ValueError(f"{path.name}: mutant {entry['id']} needs {entry['needs']!r}; known: amx, triton")
+        if entry["original"] == entry["replacement"]:
+            raise ValueError(f"{path.name}: mutant {entry['id']} changes nothing")
+        seen.add(entry["id"])
+        mutants.append(Mutant(entry["id"], entry["file"], entry["original"], entry["replacement"],
+                              entry["breaks"], tuple(entry["killers"]), path.name,
+                              bool(entry.get("slow", False)), entry.get("needs"), entry.get("impl")))
+    return mutants
+
+
 def load(catalog: Path = CATALOG) -> list[Mutant]:
+    """Every file's mutants, ids unique across the catalog."""
     mutants, seen = [], set()
     for path in sorted(catalog.glob("*.toml")):
-        for entry in tomllib.loads(path.read_text())["mutant"]:
-            missing = {"id", "file", "original", "replacement", "breaks", "killers"} - set(entry)
-            if missing:
-                raise ValueError(f"{path.name}: mutant {entry.get('id', '?')} lacks {sorted(missing)}")
-            if entry["id"] in seen:
-                raise ValueError(f"{path.name}: mutant id {entry['id']} appears twice")
-            if entry.get("needs") not in NEEDS:
-                raise ValueError(f"{path.name}: mutant {entry['id']} needs {entry['needs']!r}; known: amx, triton")
-            if entry["original"] == entry["replacement"]:
-                raise ValueError(f"{path.name}: mutant {entry['id']} changes nothing")
-            seen.add(entry["id"])
-            mutants.append(Mutant(entry["id"], entry["file"], entry["original"], entry["replacement"],
-                                  entry["breaks"], tuple(entry["killers"]), path.name,
-                                  bool(entry.get("slow", False)), entry.get("needs"), entry.get("impl")))
+        for m in load_file(path):
+            if m.id in seen:
+                raise ValueError(f"{path.name}: mutant id {m.id} appears twice")
+            seen.add(m.id)
+            mutants.append(m)
     return mutants
 
 

@@ -167,6 +167,43 @@ class Progress:
         sys.stderr.flush()
 
 
+WHY = {"amx": "no AMX tiles on this machine", "triton": "torch or triton is not installed"}
+
+
+def lacking() -> dict[str, bool]:
+    """Which `needs` this machine lacks: a mutant of code it cannot run is not applicable."""
+    import pagecheck_kernels
+
+    return {"amx": not pagecheck_kernels.amx_supported(),
+            "triton": not all(importlib.util.find_spec(p) for p in ("torch", "triton"))}
+
+
+def not_applicable(mutant: Mutant) -> dict:
+    return {"id": mutant.id, "status": "not applicable", "killed_by": WHY[mutant.needs],
+            "breaks": mutant.breaks, "file": mutant.file, "seconds": 0.0}
+
+
+def summary(results: list[dict], broken: list[str], seconds: float) -> dict:
+    """The run's JSON (reports/mutants.json; conformance/report.py reads its kill table)."""
+    def count(status):
+        return sum(r["status"] == status for r in results)
+    return {"total": len(results), "killed": count("killed"), "not_applicable": count("not applicable"),
+            "survived": count("survived"), "invalid": count("invalid"), "catalog_errors": broken,
+            "seconds": round(seconds, 1), "mutants": results}
+
+
+def headline(report: dict) -> str:
+    """'K/N mutants killed in S s' and what was left out; passed() says whether it is green."""
+    skipped = {r["killed_by"] for r in report["mutants"] if r["status"] == "not applicable"}
+    return (f"{report['killed']}/{report['total'] - report['not_applicable']} mutants killed in {report['seconds']} s"
+            + (f"; {report['not_applicable']} not applicable here ({', '.join(sorted(skipped))})" if skipped else "")
+            + (f"; {len(report['catalog_errors'])} catalog error(s)" if report["catalog_errors"] else ""))
+
+
+def passed(report: dict) -> bool:
+    return report["killed"] == report["total"] - report["not_applicable"] and not report["catalog_errors"]
+
+
 def markdown(results: list[dict]) -> str:
     lines = ["| mutant | breaks | status | killed by | s |", "|---|---|---|---|---|"]
     for r in results:
@@ -196,11 +233,8 @@ def main(argv=None) -> int:
         return 2
     selected = [m for m in selected if not any(line.startswith(m.id + ":") for line in broken)]
     # A mutant of the AMX tile path cannot be killed where no test reaches the tiles.
-    import pagecheck_kernels
-
-    lacking = {"amx": not pagecheck_kernels.amx_supported(),
-               "triton": not all(importlib.util.find_spec(p) for p in ("torch", "triton"))}
-    inapplicable = [m for m in selected if m.needs and lacking[m.needs]]
+    missing = lacking()
+    inapplicable = [m for m in selected if m.needs and missing[m.needs]]
     selected = [m for m in selected if m not in inapplicable]
     # Native mutants first: their builds are the slow part, so they spread over workers early.
     selected.sort(key=lambda m: not m.native)
@@ -243,22 +277,12 @@ def main(argv=None) -> int:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
 
-    why = {"amx": "no AMX tiles on this machine", "triton": "torch or triton is not installed"}
-    results += [{"id": m.id, "status": "not applicable", "killed_by": why[m.needs],
-                 "breaks": m.breaks, "file": m.file, "seconds": 0.0} for m in inapplicable]
-    applicable = len(results) - len(inapplicable)
-    killed = sum(r["status"] == "killed" for r in results)
-    report = {"total": len(results), "killed": killed, "not_applicable": len(inapplicable), "survived": sum(r["status"] == "survived" for r in results),
-              "invalid": sum(r["status"] == "invalid" for r in results), "catalog_errors": broken,
-              "seconds": round(time.perf_counter() - started, 1), "mutants": results}
-    table = markdown(results)
+    report = summary(results + [not_applicable(m) for m in inapplicable], broken, time.perf_counter() - started)
+    table = markdown(report["mutants"])
     print(table)
-    print(f"\n{killed}/{applicable} mutants killed in {report['seconds']} s"
-          + (f"; {len(inapplicable)} not applicable here (" + ", ".join(sorted({why[m.needs] for m in inapplicable}))
-             + ")" if inapplicable else "")
-          + (f"; {len(broken)} catalog error(s)" if broken else ""))
+    print("\n" + headline(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
-    return 0 if killed == applicable and not broken else 1
+    return 0 if passed(report) else 1
