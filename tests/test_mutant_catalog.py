@@ -1,6 +1,9 @@
 """The seeded-mutant catalog stays applicable (mutants/catalog.py): every snippet occurs
 once in its file, ids are unique, and a mutant that needs AMX tiles says so."""
 
+import fnmatch
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -54,3 +57,15 @@ def test_mutmut_smoke_fails_on_timeouts_and_survivors():
     assert report([mutant("killed"), mutant("timeout")], [])["score"] == 1.0  # the score alone would pass
     assert not smoke_passes(report([mutant("killed"), mutant("survived")], []))
     assert not smoke_passes(report([], []))
+
+
+def test_mutmut_leaves_out_every_test_of_the_mutants_package():
+    """mutmut's scratch copy has no `mutants` package (its work dir takes the name), so a
+    test module importing it must be ignored there, or mutmut's stats run fails to collect
+    ("failed to collect stats. runner returned 1") and the whole mutation run with it."""
+    args = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]["pytest_add_cli_args"]
+    ignored = [a.split("=", 1)[1] for a in args if a.startswith(("--ignore=", "--ignore-glob="))]
+    importing = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "tests").glob("*.py"))
+                 if re.search(r"^\s*(from|import) mutants\b", p.read_text(), re.M)]
+    assert importing, "no test imports the mutants package: the check reads nothing"
+    assert [f for f in importing if not any(fnmatch.fnmatch(f, g) for g in ignored)] == []
