@@ -91,16 +91,17 @@ class MutantItem(pytest.Item):
         self.mutant = mutant
 
     def runtest(self):
-        m = self.mutant
-        if m.needs and Engine.of(self.config).lacking[m.needs]:
-            self.user_properties.append((RESULT, not_applicable(m)))
-            pytest.skip(not_applicable(m)["killed_by"])
+        m, engine = self.mutant, Engine.of(self.config)
+        if m.needs and engine.lacking[m.needs]:
+            skipped = not_applicable(m)
+            self.user_properties.append((RESULT, skipped))
+            pytest.skip(skipped["killed_by"])
         broken = problems([m], ROOT)
         if broken:
             self.user_properties.append((RESULT, {"id": m.id, "status": "catalog error", "killed_by": broken[0],
                                                   "breaks": m.breaks, "file": m.file, "seconds": 0.0}))
             raise NotKilled(broken[0])
-        result = Engine.of(self.config).judge(m, self.session.items)
+        result = engine.judge(m, self.session.items)
         self.user_properties.append((RESULT, result))
         if result["status"] != "killed":
             raise NotKilled(f"{result['status']}: {result['killed_by'] or 'no test failed'} "
@@ -163,6 +164,7 @@ class Results:
 
     def __init__(self, config):
         self.config, self.results, self.started = config, [], time.perf_counter()
+        self.final: dict | None = None  # the report, made once at the session's end
 
     def pytest_runtest_logreport(self, report):
         for name, value in report.user_properties:
@@ -178,12 +180,12 @@ class Results:
     def pytest_sessionfinish(self, session):
         if hasattr(self.config, "workerinput") or not self.results:
             return  # an xdist worker: its results travel to the controller
-        report = self.report()
+        report = self.final = self.report()
         if self.config.getoption("mutants_json"):
             Path(self.config.getoption("mutants_json")).write_text(json.dumps(report, indent=2))
         if self.config.getoption("mutants_markdown"):
             Path(self.config.getoption("mutants_markdown")).write_text(markdown(report["mutants"]) + "\n")
 
-    def pytest_terminal_summary(self, terminalreporter):
-        if self.results:
-            terminalreporter.write_line(headline(self.report()))
+    def pytest_terminal_summary(self, terminalreporter):  # after pytest_sessionfinish
+        if self.final is not None:
+            terminalreporter.write_line(headline(self.final))

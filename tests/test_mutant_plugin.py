@@ -16,8 +16,9 @@ from mutants.catalog import load
 from mutants.runner import summary
 
 ROOT = Path(__file__).resolve().parent.parent
-ALLOCATOR_LINE = next(line.strip() for line in (ROOT / "impl/allocator.py").read_text().splitlines()
-                      if line.strip().startswith("def ") and (ROOT / "impl/allocator.py").read_text().count(line.strip()) == 1)
+ALLOCATOR = (ROOT / "impl/allocator.py").read_text()
+ALLOCATOR_LINE = next(line.strip() for line in ALLOCATOR.splitlines()
+                      if line.strip().startswith("def ") and ALLOCATOR.count(line.strip()) == 1)
 
 # Stands in for the runner's Worker: each mutant's status is the first word of its `breaks`,
 # the baseline fails when PAGECHECK_FAKE_BASELINE names a test; AMX counts as missing.
