@@ -1,37 +1,42 @@
 """Per-call overhead of `paged_attention` over the serving path (issue 22, point 4).
 
-`paged_attention` checks every argument and builds a `PagedMetadata` (one host read of
-the block table and context lengths, one vectorized pass over their values, fresh MLX
-copies for the kernel) on every call; `paged_attention_with_metadata` takes metadata
-built once. On the same inputs the two run the same kernel, so the difference of their
-medians is what validation costs a call:
+`paged_attention` checks every argument on every call, the values of the block table
+and context lengths included (one compiled pass over the arrays where they lie,
+impl/csrc/metadata_check.h); `paged_attention_with_metadata` takes a `PagedMetadata`
+checked once. On the same inputs the two run the same kernel, so the difference of
+their medians is what checking the metadata costs a call:
 
 | field                  | meaning                                                            |
 |------------------------|--------------------------------------------------------------------|
 | `paged_median_s`       | `paged_attention` + eval                                           |
 | `with_metadata_median_s` | `paged_attention_with_metadata` (metadata built once) + eval     |
 | `overhead_s`           | `paged_median_s - with_metadata_median_s` (goal at B 1: <= 20 us, bench/goals.py) |
+| `paged_host_median_s`  | the `paged_attention` call alone, up to its lazy output: all checks and the graph node, right after the previous call's kernel |
+| `with_metadata_host_median_s` | the same for `paged_attention_with_metadata`                |
 | `validation_median_s`  | everything `paged_attention` does before the primitive, alone      |
-| `build_median_s`       | `PagedMetadata.build` alone (part of the above)                    |
+| `build_median_s`       | `PagedMetadata.build` alone (the serving path's, once a step)      |
 
 The two calls are timed once each per round, in turn (like bench/write.py), so a burst
 of load from another job lands on both alike; the checks alone are timed the same way in
-a loop of their own (after a kernel call its worker threads keep spinning for a while,
-which would slow a check timed right after it several times over). In `paged` the checks
-do run right after the previous call's kernel, so on a loaded 2-core machine
-`overhead_s` is several times `validation_median_s`: that is the cost a caller sees. Cases: Hq 32, Hkv 8, D 128,
-one new token, S 1024, pages of 16, float32, at B 1 (the goal) and B 16 (where the
-kernel's ~10 ms make the difference noisy: reported, not judged).
+a loop of their own. Right after a kernel call the caches hold K/V, not Python's working
+set, so the same checks take 1.5-4x their time in a loop of their own (measured on the
+2-core EPYC, 2026-12-02: the NumPy checks of before were 13.9 us alone, 22 us after a
+kernel call, 58 us after a 16 MiB NumPy sum); `*_host_median_s` is what a caller
+sees. Cases: Hq 32, Hkv 8, D 128, one new token, S 1024, pages of 16, float32, at B 1
+(the goal) and B 16 (where the kernel's ~10 ms make the difference noisy: reported, not
+judged).
 """
 
 from __future__ import annotations
+
+import time
 
 import mlx.core as mx
 import numpy as np
 
 import impl
 from contract import ScorePipeline
-from impl.validation import PagedMetadata, check_arrays, check_pipeline
+from impl.validation import PagedMetadata, check_arrays, check_metadata_values, check_pipeline, metadata_array
 
 from . import timing
 from .grid import SHAPE
@@ -62,22 +67,23 @@ def setup(batch: int):
 
 
 def callables(args) -> dict:
-    """{name: zero-argument callable} for the paths compared (see the module docstring)."""
+    """{name: zero-argument callable} for the paths compared (see the module docstring):
+    the two calls return their lazy output, the checks nothing."""
     q, kp, vp, table, lens = args
     meta = PagedMetadata.build(table, lens, page_size=PAGE_SIZE, num_pages=kp.shape[0], query_len=q.shape[2])
 
     def paged():
-        mx.eval(impl.paged_attention(q, kp, vp, table, lens, PAGE_SIZE))
+        return impl.paged_attention(q, kp, vp, table, lens, PAGE_SIZE)
 
     def with_metadata():
-        mx.eval(impl.paged_attention_with_metadata(q, kp, vp, meta))
+        return impl.paged_attention_with_metadata(q, kp, vp, meta)
 
     def validation():  # impl/attention.py paged_attention, up to the primitive
         pipeline = ScorePipeline(None, "causal", None, None, None, None, False, None, None, None)
         geom = check_arrays(q, kp, vp, table, lens, PAGE_SIZE, None)
         check_pipeline(geom, pipeline)
-        PagedMetadata.build(table, lens, page_size=geom.page_size, num_pages=geom.num_pages,
-                            query_len=geom.query_len)
+        check_metadata_values(metadata_array("block_table", table), metadata_array("context_lens", lens),
+                              page_size=geom.page_size, num_pages=geom.num_pages, query_len=geom.query_len)
 
     def build():
         PagedMetadata.build(table, lens, page_size=PAGE_SIZE, num_pages=kp.shape[0], query_len=q.shape[2])
@@ -96,6 +102,24 @@ def interleaved(runs: dict, rounds: int) -> dict:
     return times
 
 
+def interleaved_calls(calls: dict, rounds: int) -> dict:
+    """{name: [seconds], name_host: [seconds]}: each call and its eval, once per round
+    in turn; `_host` is the call alone, up to its lazy output."""
+    for fn in calls.values():
+        timing.settle(lambda: mx.eval(fn()))
+    times = {key: [] for name in calls for key in (name, f"{name}_host")}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            out = fn()
+            t1 = time.perf_counter()
+            mx.eval(out)
+            t2 = time.perf_counter()
+            times[name].append(t2 - t0)
+            times[f"{name}_host"].append(t1 - t0)
+    return times
+
+
 def run(level: str) -> list[dict]:
     """One row per batch size."""
     rows = []
@@ -104,7 +128,7 @@ def run(level: str) -> list[dict]:
         runs = callables(setup(batch))
         # the checks alone in a loop of their own: right after a kernel call its worker
         # threads still spin for a while, which would slow them several times over
-        times = {**interleaved({k: runs[k] for k in CALLS}, rounds),
+        times = {**interleaved_calls({k: runs[k] for k in CALLS}, rounds),
                  **interleaved({k: runs[k] for k in CHECKS}, ROUNDS[level])}
         med = {name: timing.summary(t)["median_s"] for name, t in times.items()}
         rows.append({"op": "overhead", "path": "paged", "batch": batch, "context": CONTEXT,

@@ -172,8 +172,9 @@ def table(report: dict) -> str:
     for r in report.get("overhead", []):
         lines.append(f"overhead B{r['batch']} S{r['context']}: paged_attention {r['paged_median_s'] * 1e6:.1f} us - "
                      f"with_metadata {r['with_metadata_median_s'] * 1e6:.1f} us = {r['overhead_s'] * 1e6:.1f} us "
-                     f"(validation alone {r['validation_median_s'] * 1e6:.1f} us, build "
-                     f"{r['build_median_s'] * 1e6:.1f} us)")
+                     f"(the calls alone {r['paged_host_median_s'] * 1e6:.1f} / "
+                     f"{r['with_metadata_host_median_s'] * 1e6:.1f} us; validation alone "
+                     f"{r['validation_median_s'] * 1e6:.1f} us, build {r['build_median_s'] * 1e6:.1f} us)")
     lines += vllm_lines(report["cases"])
     if "serving" in report:
         lines += ["", "serving: " + report["serving"]["table"]]

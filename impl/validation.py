@@ -1,10 +1,11 @@
 """Checks of the operator contract (REFERENCE.md section 1), split by cost.
 
-`check_arrays` and `check_options` look only at shapes, dtypes and Python values: no
-host sync. `PagedMetadata.build` checks the values of `block_table` and
+`check_arrays` and `check_pipeline` look only at shapes, dtypes and Python values: no
+host sync. `check_metadata_values` checks the values of `block_table` and
 `context_lens` (negative or short contexts, tables too short, page ids outside the
-pool); it reads them on the host once. The serving path builds one `PagedMetadata` per
-scheduler step, from host arrays it already holds, and reuses it for every layer.
+pool) in one compiled pass over the arrays where they lie; `paged_attention` runs it
+on every call. The serving path builds one `PagedMetadata` per scheduler step (a
+checked, frozen snapshot with host copies) and reuses it for every layer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+import pagecheck_kernels as _kernels
 
 from contract import KV_DTYPES, ScorePipeline, granularity_of, storage_dtype
 
@@ -92,7 +94,7 @@ def check_arrays(query, key_pages, value_pages, block_table, context_lens, page_
         elif x.dtype != query.dtype:
             raise ContractViolation("dtype", f"{name} dtype {_dtype_name(x.dtype)} differs from query dtype "
                                              f"{_dtype_name(query.dtype)}")
-    # Metadata dtypes (int32) are checked where the values are read: PagedMetadata.build.
+    # Metadata dtypes (int32) are checked where the values are read: metadata_array.
     B, Hq, L, D = query.shape
     P, Hkv, slots, Dk = key_pages.shape
     if tuple(value_pages.shape[:3]) != tuple(key_pages.shape[:3]) or value_pages.shape[3] < 1:
@@ -229,55 +231,46 @@ def check_pipeline(geom: Geometry, pipeline: ScorePipeline) -> KernelOptions:
                          kv_dtype, k_scale, v_scale)
 
 
-def check_metadata_values(block_table: np.ndarray, context_lens: np.ndarray, *, page_size: int,
-                          num_pages: int, query_len: int) -> None:
-    """Value rules on int32 host copies of the metadata; raises naming the request / page.
+# pagecheck_kernels.check_metadata's rule codes (impl/csrc/metadata_check.h), 0 = none
+METADATA_RULES = (None, "context_negative", "context_short", "table_short", "page_id")
 
-    One vectorized pass, no Python loop over requests or pages: each rule's violations
-    are found for every request at once, then the first offending request is named as a
-    loop over them would: its first broken rule in the order context_negative,
-    context_short, table_short, page_id (at its first bad column among those it reads).
-    Request b reads column j when j < ceil(ctx / page_size), i.e. j * page_size < ctx,
-    and needs more than max_pages pages when ctx > max_pages * page_size. The bounds are
-    Python ints, which NumPy 2 compares exactly with int32 values however large they are."""
-    max_pages = block_table.shape[1]
-    ctx = context_lens
-    negative = ctx < 0
-    short = (ctx > 0) & (ctx < query_len)
-    table_short = ctx > max_pages * page_size
-    # as uint32 a negative id is 2**31 or more: past any pool (the bound is clamped there)
-    outside = block_table.view(np.uint32) >= min(max(num_pages, 0), 1 << 31)
-    # a row reads a bad page iff it reads its first bad column (a row without columns: none)
-    first_bad = outside.argmax(axis=1) if max_pages else np.zeros(len(ctx), np.intp)
-    bad_page = outside[np.arange(len(ctx)), first_bad] & (first_bad * min(page_size, 1 << 31) < ctx) \
-        if max_pages else False
-    offends = negative | short | table_short | bad_page
-    b = int(offends.argmax()) if len(ctx) else 0
-    if not (len(ctx) and offends[b]):
+
+def check_metadata_values(block_table: mx.array, context_lens: mx.array, *, page_size: int, num_pages: int,
+                          query_len: int) -> None:
+    """Value rules on the int32 metadata; raises naming the request / page.
+
+    One compiled pass over the arrays where they lie (no host copy, no Python loop):
+    the first offending request is named, with its first broken rule in the order
+    context_negative, context_short, table_short, page_id (at its first bad column among
+    those it reads). Request b reads column j when j * page_size < ctx, and needs more
+    than max_pages pages when ctx > max_pages * page_size."""
+    code, b, ctx, i, page = _kernels.check_metadata(block_table, context_lens, page_size, num_pages, query_len)
+    rule = METADATA_RULES[code]
+    if rule is None:
         return
-    ctx = int(context_lens[b])
-    if negative[b]:
-        raise ContractViolation("context_negative", f"context_lens[{b}] = {ctx} is negative")
-    if short[b]:
-        raise ContractViolation("context_short", f"context_lens[{b}] = {ctx} is shorter than the query "
+    if rule == "context_negative":
+        raise ContractViolation(rule, f"context_lens[{b}] = {ctx} is negative")
+    if rule == "context_short":
+        raise ContractViolation(rule, f"context_lens[{b}] = {ctx} is shorter than the query "
                                 f"length L={query_len}: a non-empty request holds its L new positions")
-    if table_short[b]:
-        raise ContractViolation("table_short", f"request {b} needs {-(-ctx // page_size)} pages (context {ctx}, "
-                                f"page_size {page_size}) but block_table rows hold max_pages={max_pages}")
-    i = int(first_bad[b])
-    raise ContractViolation("page_id", f"block_table[{b}, {i}] = {int(block_table[b, i])} is outside the pool "
+    if rule == "table_short":
+        raise ContractViolation(rule, f"request {b} needs {-(-ctx // page_size)} pages (context {ctx}, "
+                                f"page_size {page_size}) but block_table rows hold max_pages={block_table.shape[1]}")
+    raise ContractViolation(rule, f"block_table[{b}, {i}] = {page} is outside the pool "
                             f"[0, {num_pages}) (request {b} reads logical page {i})")
 
 
-def _host_int32(name, x) -> np.ndarray:
+def metadata_array(name, x) -> mx.array:
+    """`block_table` / `context_lens` as the int32 MLX array the kernel reads: an MLX
+    array as given, numpy int32 copied."""
     if isinstance(x, mx.array):
         if x.dtype != mx.int32:
             raise ContractViolation("metadata_dtype", f"{name} must be int32, got {_dtype_name(x.dtype)}")
-        return np.array(x, copy=True)
+        return x
     if isinstance(x, np.ndarray):
         if x.dtype != np.int32:
             raise ContractViolation("metadata_dtype", f"{name} must be int32, got {x.dtype}")
-        return x.copy()
+        return mx.array(x)
     raise ContractViolation("type", f"{name} must be an mlx.core.array or numpy int32 array, got {type(x).__name__}")
 
 
@@ -304,18 +297,23 @@ class PagedMetadata:
 
     @classmethod
     def build(cls, block_table, context_lens, *, page_size: int, num_pages: int, query_len: int) -> PagedMetadata:
-        bt = _host_int32("block_table", block_table)
-        cl = _host_int32("context_lens", context_lens)
+        bt = metadata_array("block_table", block_table)
+        cl = metadata_array("context_lens", context_lens)
         if bt.ndim != 2 or cl.ndim != 1 or bt.shape[0] != cl.shape[0]:
-            raise ContractViolation("shape", f"block_table {bt.shape} and context_lens {cl.shape} must be "
-                                    "[B, max_pages] and [B]")
+            raise ContractViolation("shape", f"block_table {tuple(bt.shape)} and context_lens {tuple(cl.shape)} "
+                                    "must be [B, max_pages] and [B]")
         page_size = _int_arg("page_size", page_size, "page_size")
         if page_size < 1:
             raise ContractViolation("page_size", f"page_size must be >= 1, got {page_size}")
+        # The snapshot first, then the check on it: the host copies and the kernel's
+        # arrays hold what was checked, whatever the caller's arrays become later (an
+        # MLX array's in-place update rebinds the very object it was given as).
+        bt_host, cl_host = np.array(bt, copy=True), np.array(cl, copy=True)
+        bt, cl = mx.array(bt_host), mx.array(cl_host)
         check_metadata_values(bt, cl, page_size=page_size, num_pages=num_pages, query_len=query_len)
-        bt.setflags(write=False)
-        cl.setflags(write=False)
-        return cls(mx.array(bt), mx.array(cl), bt, cl, page_size, int(num_pages), int(query_len))
+        bt_host.setflags(write=False)
+        cl_host.setflags(write=False)
+        return cls(bt, cl, bt_host, cl_host, page_size, int(num_pages), int(query_len))
 
     def check_matches(self, geom: Geometry) -> None:
         """Shapes of this call against what the values were checked for."""

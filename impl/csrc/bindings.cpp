@@ -6,6 +6,7 @@
 #include "fma_peak.h"
 #include "huge_pages.h"
 #include "kernel_info.h"
+#include "metadata_check.h"
 #include "paged_attention.h"
 #include "pool_update.h"
 #include "thread_pool.h"
@@ -21,6 +22,18 @@ NB_MODULE(_kernels, m) {
         "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), nb::kw_only(),
         "stream"_a = nb::none(),
         "Unvalidated entry point returning (output, lse); call impl.paged_attention instead.");
+  m.def(
+      "check_metadata",
+      [](const mlx::core::array& block_table, const mlx::core::array& context_lens, int64_t page_size,
+         int64_t num_pages, int64_t query_len) {
+        const pagecheck::MetadataFault f =
+            pagecheck::check_metadata(block_table, context_lens, page_size, num_pages, query_len);
+        return nb::make_tuple(f.rule, f.request, f.context, f.column, f.page);
+      },
+      "block_table"_a, "context_lens"_a, "page_size"_a, "num_pages"_a, "query_len"_a,
+      "The metadata's first fault as (rule, request, context, column, page): rule 0 when none, else "
+      "1 context_negative, 2 context_short, 3 table_short, 4 page_id (metadata_check.h); "
+      "use impl.validation.check_metadata_values instead.");
   m.def("write_slots", &pagecheck::write_slots, "pages"_a, "rows"_a, "slots"_a, nb::kw_only(),
         "stream"_a = nb::none(), "Unvalidated in-place slot write; use impl.PagePool instead.");
   m.def("copy_pages", &pagecheck::copy_pages, "pages"_a, "src"_a, "dst"_a, nb::kw_only(),
