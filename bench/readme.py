@@ -5,7 +5,10 @@
 Rewrites the region between `<!-- bench:begin -->` and `<!-- bench:end -->`; when the
 markers are missing, adds a "## Benchmarks" section holding them before "## Status"
 (or at the end). The region holds the goals (bench/goals.py, each met / not met), the
-decode and prefill tables, the write path, the serving trace's ratios and the skips.
+decode and prefill tables, the write path, the serving trace's ratios and the skips. A
+long sweep's report (`--level long`) goes to its own region, `<!-- bench-long:begin -->`
+to `<!-- bench-long:end -->`, added right after the first when missing: the full grid's
+results stay.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from . import goals as goals_mod
 from .grid import PATHS
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+LONG_BEGIN, LONG_END = "<!-- bench-long:begin -->", "<!-- bench-long:end -->"
 SECTION = f"""## Benchmarks
 
 `python -m bench.report [--quick] --json PATH [--plot PNG]` times every path of the grid
@@ -97,14 +101,17 @@ def render(report: dict) -> str:
            f"the run took {report['wall_s']:.0f} s.", "",
            "| goal | measured | target | verdict | where |", "|---|---|---|---|---|"]
     for g in goals_mod.evaluate(report):
+        if report["level"] == "long" and g["measured"] is None:
+            continue  # the sweep measures the prefill goals only: the rest are the full grid's
         measured, target = goals_mod.describe(g)
         out.append(f"| {g['goal']} | {measured} | {target} | **{goals_mod.verdict(g)}** | {g['detail']} |")
-    out += ["", "Decode (Hq 32, Hkv 8, D 128, one new token per request): median ms; in parentheses, that "
-            "path's time over paged's; bandwidth counts K/V read + Q + O, against the rate of a read of "
-            f"{lim['read_bytes'] / 2**30:.2f} GiB (4x the last-level cache) timed in turns beside the case, "
-            "so that both see the same load from other jobs (above 100%: the K/V of the case fit in "
-            "that cache).", ""]
-    out += _attention_table(cases, "decode")
+    if any(c["op"] == "decode" for c in cases):  # none in the long sweep
+        out += ["", "Decode (Hq 32, Hkv 8, D 128, one new token per request): median ms; in parentheses, that "
+                "path's time over paged's; bandwidth counts K/V read + Q + O, against the rate of a read of "
+                f"{lim['read_bytes'] / 2**30:.2f} GiB (4x the last-level cache) timed in turns beside the case, "
+                "so that both see the same load from other jobs (above 100%: the K/V of the case fit in "
+                "that cache).", ""]
+        out += _attention_table(cases, "decode")
     out += ["", "Prefill (B 1, causal, L = S): median ms, as above.", ""]
     out += _attention_table(cases, "prefill")
     writes = [c for c in cases if c["op"] == "write"]
@@ -119,8 +126,10 @@ def render(report: dict) -> str:
     for r in report.get("overhead", []):
         out += ["", f"Per-call overhead at B {r['batch']}, S {r['context']} (bench/overhead.py): paged_attention "
                 f"{r['paged_median_s'] * 1e6:.1f} us - paged_attention_with_metadata "
-                f"{r['with_metadata_median_s'] * 1e6:.1f} us = {r['overhead_s'] * 1e6:.1f} us; its checks "
-                f"alone {r['validation_median_s'] * 1e6:.1f} us (PagedMetadata.build {r['build_median_s'] * 1e6:.1f} us)."]
+                f"{r['with_metadata_median_s'] * 1e6:.1f} us = {r['overhead_s'] * 1e6:.1f} us; the calls up to "
+                f"their lazy output {r['paged_host_median_s'] * 1e6:.1f} / {r['with_metadata_host_median_s'] * 1e6:.1f} us; "
+                f"the checks alone {r['validation_median_s'] * 1e6:.1f} us (PagedMetadata.build, the serving path's "
+                f"once a step, {r['build_median_s'] * 1e6:.1f} us)."]
     s = report.get("serving")
     if s:
         r, v = s["ratios"], s["variants"]
@@ -143,10 +152,16 @@ def rewrite(readme_path: str, report: dict) -> None:
     if BEGIN not in text or END not in text:
         at = text.find("\n## Status")
         text = text + "\n" + SECTION if at < 0 else text[:at + 1] + SECTION + text[at + 1:]
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
+    begin, end = BEGIN, END
+    if report["level"] == "long":
+        begin, end = LONG_BEGIN, LONG_END
+        if begin not in text or end not in text:
+            at = text.index(END) + len(END)
+            text = f"{text[:at]}\n\n{begin}\n{end}{text[at:]}"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
     with open(readme_path, "w") as f:
-        f.write(f"{head}{BEGIN}\n{render(report)}\n{END}{tail}")
+        f.write(f"{head}{begin}\n{render(report)}\n{end}{tail}")
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,13 @@
 """The benchmark report: the grid, the write path and the serving trace in one run.
 
-    python -m bench.report [--quick] [--json PATH] [--plot PNG] [--readme]
+    python -m bench.report [--quick | --level LEVEL] [--json PATH] [--plot PNG] [--readme]
 
-Runs bench/grid.py's level (full, or quick: at most 5 minutes on the 2-core machine),
-prints a table and the goals (bench/goals.py), writes the JSON and the plot; `--readme`
-then rewrites README.md's results (bench/readme.py). The machine's limits are measured
-at the start and the end of the run (bench/machine.py; the higher of each is used).
+Runs bench/grid.py's level (full; quick: at most 5 minutes on the 2-core machine; long:
+the L = S = 8192 prefill sweep alone, its attention cases and nothing else), prints a
+table and the goals (bench/goals.py), writes the JSON and the plot; `--readme` then
+rewrites README.md's results (bench/readme.py: a long sweep has its own region). The
+machine's limits are measured at the start and the end of the run (bench/machine.py; the
+higher of each is used).
 
 JSON: `machine` (versions, threads), `limits`, `level`, `cases` (one per op x path x
 case, timed or `"skipped": reason`), `overhead` (bench/overhead.py: the per-call cost of
@@ -130,19 +132,24 @@ def serving_section(level: str) -> dict:
 
 
 def run(level: str, *, with_serving: bool = True, log=print) -> dict:
+    """The level's report; the long sweep times its attention cases alone (no write path,
+    overhead or serving trace: those are the other levels')."""
     t0 = time.perf_counter()
+    sweep_only = level == "long"
     log(f"machine limits ({level} run) ...")
     first = machine.limits()
     log(f"attention grid ({len(grid.attention_specs(level))} cases x {len(grid.PATHS)} paths) ...")
     cases = attention_cases(level, log)
-    log("write path ...")
-    cases += write.run(level)
+    if not sweep_only:
+        log("write path ...")
+        cases += write.run(level)
     limits = machine.best_of(first, machine.limits())
     _derive(cases, limits)
-    log("per-call overhead ...")
-    report = {"machine": machine.info(), "limits": limits, "level": level, "cases": cases,
-              "overhead": overhead.run(level)}
-    if with_serving:
+    report = {"machine": machine.info(), "limits": limits, "level": level, "cases": cases}
+    if not sweep_only:
+        log("per-call overhead ...")
+        report["overhead"] = overhead.run(level)
+    if with_serving and not sweep_only:
         log("serving trace ...")
         report["serving"] = serving_section(level)
     report["goals"] = goals_mod.evaluate(report)
@@ -212,13 +219,16 @@ def vllm_lines(cases: list[dict]) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the quick grid (at most 5 minutes here)")
+    levels = parser.add_mutually_exclusive_group()
+    levels.add_argument("--quick", action="store_true", help="the quick grid (at most 5 minutes here)")
+    levels.add_argument("--level", choices=("quick", "full", "long"), default="full",
+                        help="the grid's level (bench/grid.py; default full; long: the L = S = 8192 prefill sweep)")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON here")
     parser.add_argument("--plot", metavar="PNG", help="plot latency against context per path (needs matplotlib)")
     parser.add_argument("--readme", nargs="?", const="README.md", metavar="README",
                         help="rewrite the results in README.md (or this file) from the report")
     args = parser.parse_args(argv)
-    report = run("quick" if args.quick else "full", log=lambda m: print(m, file=sys.stderr, flush=True))
+    report = run("quick" if args.quick else args.level, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(table(report))
     if args.json:
         with open(args.json, "w") as f:

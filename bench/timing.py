@@ -7,7 +7,7 @@ budget per measurement, within [min, max] rounds:
 |-------|------------------------|-----------|--------------------|--------------------|
 | smoke | -                      | 1         | 1 (pytest: untimed) | 1 (pytest: untimed) |
 | quick | 0.6 s                  | 3 .. 600  | warm-up + 2 rounds | warm-up + 1 round  |
-| full  | 1.5 s                  | 3 .. 3000 | warm-up + 2 rounds | warm-up + 1 round  |
+| full, long | 1.5 s             | 3 .. 3000 | warm-up + 2 rounds | warm-up + 1 round  |
 
 The cap only stops runaway counts: a 0.1 ms call gets its whole budget (the old cap of
 200 rounds timed such a call for 20 ms, so one burst of another job could double its
@@ -38,9 +38,9 @@ import math
 import statistics
 import time
 
-BUDGET_S = {"smoke": 0.0, "quick": 0.6, "full": 1.5}
-ROUNDS = {"smoke": (1, 1), "quick": (3, 600), "full": (3, 3000)}
-PASSES = {"smoke": 1, "quick": 4, "full": 5}
+BUDGET_S = {"smoke": 0.0, "quick": 0.6, "full": 1.5, "long": 1.5}
+ROUNDS = {"smoke": (1, 1), "quick": (3, 600), "full": (3, 3000), "long": (3, 3000)}
+PASSES = {"smoke": 1, "quick": 4, "full": 5, "long": 5}
 SETTLE_S = 0.03
 SLOW_S = 2.0
 VERY_SLOW_S = 10.0
