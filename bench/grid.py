@@ -8,6 +8,13 @@ and `python -m bench.report`, at the Qwen3-4B attention shape (Hq 32, Hkv 8, D 1
 | long   | report --level long: the long-prefill sweep alone | -                              | L 8192 x {16,128} x {f32,bf16} |
 | smoke  | plain pytest (each path once, untimed) | (4,128,16,f32), (1,1024,128,bf16)         | L 128 x {16} x {f32}         |
 
+Mixed batches (op `mixed`, speculative decode beside plain decode): the first half of
+the batch queries one token, the rest MIXED_L = 4 rows each (a verifier's draft), every
+request over S cached positions. Full: B {4,16} x S {1024,8192} x {16,128} x {f32,bf16};
+quick: B 4, S 1024, page 16, both dtypes; smoke: (4,128,16,f32). Only the varlen
+kernels take such a batch in one call: `vllm_cpu` does; `paged` (and its quantized
+paths) make one call per query length, both timed together.
+
 Paths (bench/paths.py): `paged` (ours), `paged_fp8` and `paged_int8` (ours on the same
 shape with quantized pages: float8_e4m3fn codes with one scale per tensor, as vLLM's
 fp8 KV cache; int8 codes with a scale per (token, KV head), as vLLM's Triton and
@@ -38,6 +45,8 @@ PATHS = ("paged", "paged_fp8", "paged_int8", "dense_gather", "mlx_sdpa", "torch_
 KV_PATHS = {"paged_fp8": ("float8_e4m3fn", "tensor"), "paged_int8": ("int8", "token")}
 LEVELS = ("smoke", "quick", "full", "long")
 LONG_PREFILL = 8192  # the seeds' long-prefill row (issue 22, point 6)
+MIXED_L = 4  # a mixed batch's speculative rows per request (issue 22, point 2)
+BANDWIDTH_OPS = ("decode", "mixed")  # bound by reading K/V: judged against a read timed beside them
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 # MLX's CPU SDPA is the unfused fallback: ~1-1.5 GB/s of K/V in decode (32 ms at B 4, S 1024
@@ -68,6 +77,18 @@ class Spec:
     def id(self) -> str:
         return f"{self.op}-B{self.batch}-S{self.context}-ps{self.page_size}-{self.dtype}"
 
+    @property
+    def rows(self) -> tuple[int, ...] | None:
+        """Query rows of each request in a mixed batch (the first half 1, the rest
+        `query_len`); None where every request has `query_len`."""
+        if self.op != "mixed":
+            return None
+        half = self.batch // 2
+        return (1,) * half + (self.query_len,) * (self.batch - half)
+
+    def _row_counts(self) -> tuple[int, ...]:
+        return self.rows or (self.query_len,) * self.batch
+
     def describe(self) -> dict:
         return asdict(self)
 
@@ -81,14 +102,14 @@ class Spec:
             kv = rows * (d + (4 if KV_PATHS[path][1] == "token" else 0))
         else:
             kv = rows * d * size
-        qo = 2 * self.batch * h * self.query_len * d * size
+        qo = 2 * sum(self._row_counts()) * h * d * size
         return kv + qo + 4 * self.batch * -(-self.context // self.page_size)
 
     def flops(self) -> int:
         """Multiply-adds x 2 of QK^T and PV over the (query, key) pairs the mask lets through."""
-        L, S = self.query_len, self.context
-        pairs = sum(S - L + 1 + l for l in range(L))  # causal: row l sees S - L + 1 + l keys
-        return 4 * self.batch * SHAPE["q_heads"] * SHAPE["head_dim"] * pairs
+        S = self.context
+        pairs = sum(S - L + 1 + l for L in self._row_counts() for l in range(L))  # causal: row l sees S - L + 1 + l
+        return 4 * SHAPE["q_heads"] * SHAPE["head_dim"] * pairs
 
 
 def _decode(batches, contexts, pages, dtypes):
@@ -99,20 +120,25 @@ def _prefill(lengths, pages, dtypes):
     return [Spec("prefill", 1, n, p, d, n) for p in pages for d in dtypes for n in lengths]
 
 
+def _mixed(batches, contexts, pages, dtypes):
+    return [Spec("mixed", b, s, p, d, MIXED_L) for p in pages for d in dtypes for b in batches for s in contexts]
+
+
 def attention_specs(level: str) -> list[Spec]:
     """The level's decode and prefill calls, in run order: page size, then dtype, slowest,
     so one shared pool serves a whole stretch (bench/paths.py)."""
     if level == "full":
         specs = _decode((1, 4, 16), (128, 1024, 8192, 32768), (16, 128), ("float32", "bfloat16")) + \
-            _prefill((512, 2048, LONG_PREFILL), (16, 128), ("float32", "bfloat16"))
+            _prefill((512, 2048, LONG_PREFILL), (16, 128), ("float32", "bfloat16")) + \
+            _mixed((4, 16), (1024, 8192), (16, 128), ("float32", "bfloat16"))
     elif level == "long":
         specs = _prefill((LONG_PREFILL,), (16, 128), ("float32", "bfloat16"))
     elif level == "quick":
         specs = _decode((1, 4), (128, 1024, 8192), (16, 128), ("float32", "bfloat16")) + \
-            _prefill((512,), (16,), ("float32", "bfloat16"))
+            _prefill((512,), (16,), ("float32", "bfloat16")) + _mixed((4,), (1024,), (16,), ("float32", "bfloat16"))
     elif level == "smoke":
         specs = [Spec("decode", 4, 128, 16, "float32", 1), Spec("decode", 1, 1024, 128, "bfloat16", 1),
-                 Spec("prefill", 1, 128, 16, "float32", 128)]
+                 Spec("prefill", 1, 128, 16, "float32", 128), Spec("mixed", 4, 128, 16, "float32", MIXED_L)]
     else:
         raise ValueError(f"unknown level {level!r}, expected one of {LEVELS}")
     return sorted(specs, key=lambda s: (s.page_size, s.dtype != "float32"))
@@ -143,6 +169,9 @@ def _scores_gib(spec: Spec) -> float:
 def skip_reason(spec: Spec, path: str) -> str | None:
     """Why `path` is not timed for `spec`, or None."""
     tokens = spec.batch * spec.context
+    if spec.op == "mixed" and path in ("dense_gather", "mlx_sdpa", "torch_sdpa"):
+        return ("a mixed batch (one-token and speculative rows) is one call only for varlen kernels; the dense "
+                "paths are timed on decode and prefill")
     if path == "torch_sdpa" and not torch_available():
         return "torch not installed (optional extra: pip install '.[bench]')"
     if path == "vllm_cpu":

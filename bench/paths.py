@@ -24,6 +24,11 @@ a 4 GiB pool then spends a tenth of its time in page walks (B 4, S 32768, page 1
 45.7 -> 41.8 ms).
 `dense_gather` allocates its copies inside the timed call, as it would in use.
 
+A mixed batch (grid.Spec.rows: one-token requests beside speculative ones) is one varlen
+call for `vllm_cpu`; `paged` and its quantized paths make one call per run of requests
+with the same query length (`by_query_length`, cut outside the timing), all evaluated
+together, and `result` gives both in vLLM's varlen layout.
+
 `vllm_cpu` reads the same query, table and pages: the whole pool is written, once per
 pool (`vllm_cache`), into vLLM's own cache by its own `cpu_attn_reshape_and_cache` (not
 timed), on 2 MiB pages as the pool, so the same table names the same scattered pages
@@ -126,19 +131,50 @@ class Pools:
         return case
 
 
-def _paged(case):
-    meta = impl.PagedMetadata.build(case.block_table, case.context_lens, page_size=case.page_size,
-                                    num_pages=case.key_pages.shape[0], query_len=case.query.shape[2])
+def by_query_length(case, rows):
+    """[(rows, the case cut to its run of requests with that many query rows: each
+    query's last rows, contiguous)] for consecutive requests alike; [(L, case)] when
+    `rows` is None."""
+    if rows is None:
+        return [(case.query.shape[2], case)]
+    parts, start = [], 0
+    for b in range(1, len(rows) + 1):
+        if b == len(rows) or rows[b] != rows[start]:
+            r = rows[start]
+            part = case.with_(query=mx.contiguous(case.query[start:b, :, -r:]),
+                              block_table=mx.contiguous(case.block_table[start:b]),
+                              context_lens=mx.contiguous(case.context_lens[start:b]))
+            mx.eval(part.query, part.block_table, part.context_lens)
+            parts.append((r, part))
+            start = b
+    return parts
+
+
+def varlen(outputs) -> mx.array:
+    """Outputs [b, Hq, L, D] of consecutive requests as vLLM's varlen [rows, Hq, D]."""
+    return mx.concatenate([o.transpose(0, 2, 1, 3).reshape(-1, o.shape[1], o.shape[3]) for o in outputs])
+
+
+def _paged(case, rows=None):
+    """One call per run of requests with the same query length (one call unless mixed)."""
+    calls = []
+    for _, part in by_query_length(case, rows):
+        meta = impl.PagedMetadata.build(part.block_table, part.context_lens, page_size=part.page_size,
+                                        num_pages=part.key_pages.shape[0], query_len=part.query.shape[2])
+        calls.append((part, meta))
 
     def run():
-        out = impl.paged_attention_with_metadata(case.query, case.key_pages, case.value_pages, meta, mask=case.mask,
-                                                 kv_dtype=case.kv_dtype, k_scale=case.k_scale, v_scale=case.v_scale)
-        mx.eval(out)
-        return out
+        outs = [impl.paged_attention_with_metadata(c.query, c.key_pages, c.value_pages, meta, mask=c.mask,
+                                                   kv_dtype=c.kv_dtype, k_scale=c.k_scale, v_scale=c.v_scale)
+                for c, meta in calls]
+        mx.eval(*outs)
+        return outs[0] if rows is None else outs
+    if rows is not None:
+        run.standard = varlen
     return run
 
 
-def _dense_gather(case):
+def _dense_gather(case, rows=None):
     return lambda: case.run(dense_attention)
 
 
@@ -157,7 +193,7 @@ def _gathered(case):
     return keys, values
 
 
-def _mlx_sdpa(case):
+def _mlx_sdpa(case, rows=None):
     """Every request holds the same context, so MLX's "causal" (aligned at the last key)
     is the contract's causal mask; a one-token decode needs no mask."""
     keys, values = _gathered(case)
@@ -180,7 +216,7 @@ def to_torch(x: mx.array):
     return torch.from_numpy(np.asarray(x))
 
 
-def _torch_sdpa(case):
+def _torch_sdpa(case, rows=None):
     """torch's `is_causal` aligns at the first key, so it is the contract's mask only for
     L == S (the grid's prefill); a one-token decode needs no mask."""
     import torch
@@ -218,7 +254,7 @@ def vllm_cache(case, isa: str):
     return memo[0], memo[1]
 
 
-def _vllm_cpu(case):
+def _vllm_cpu(case, rows=None):
     import torch
     from peers import vllm_cpu as peer
 
@@ -227,8 +263,11 @@ def _vllm_cpu(case):
     q = to_torch(case.query)
     isa = peer._isa(q.dtype, case.page_size, D)
     k, v = vllm_cache(case, isa)
-    query = q.permute(0, 2, 1, 3).reshape(B * L, Hq, D).contiguous()
-    step = dict(query=query, cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32) * L,
+    counts = [L] * B if rows is None else list(rows)
+    # varlen [rows, Hq, D]: each request's last rows (all L unless mixed), in request order
+    query = torch.cat([q[b, :, L - r:].permute(1, 0, 2) for b, r in enumerate(counts)]).contiguous()
+    starts = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    step = dict(query=query, cu_seqlens_q=starts,
                 seq_lens=torch.from_numpy(np.array(case.context_lens).astype(np.int32)), causal=True, window=None)
     block_table = torch.from_numpy(np.array(case.block_table).astype(np.int32))
     meta = peer.metadata(kv_heads=k.shape[1], head_dim=D, isa=isa, **step)
@@ -241,7 +280,7 @@ def _vllm_cpu(case):
     def metadata():
         return peer.metadata(kv_heads=k.shape[1], head_dim=D, isa=isa, **step)
     run.metadata = metadata
-    run.standard = lambda o: o.view(B, L, Hq, D).permute(0, 2, 1, 3)
+    run.standard = (lambda o: o.view(B, L, Hq, D).permute(0, 2, 1, 3)) if rows is None else (lambda o: o)
     return run
 
 
@@ -249,9 +288,10 @@ MAKERS = {"paged": _paged, "paged_fp8": _paged, "paged_int8": _paged, "dense_gat
           "mlx_sdpa": _mlx_sdpa, "torch_sdpa": _torch_sdpa, "vllm_cpu": _vllm_cpu}
 
 
-def make(path: str, case):
-    """A zero-argument callable running `path` once on `case` (set-up not timed)."""
-    return MAKERS[path](case)
+def make(path: str, case, rows=None):
+    """A zero-argument callable running `path` once on `case` (set-up not timed); `rows`:
+    a mixed batch's query rows per request (grid.Spec.rows), each request's last ones."""
+    return MAKERS[path](case, rows)
 
 
 def as_numpy(out) -> np.ndarray:
@@ -262,5 +302,6 @@ def as_numpy(out) -> np.ndarray:
 
 
 def result(run) -> np.ndarray:
-    """`run`'s output as `as_numpy`, in our layout [B, Hq, L, D] (vllm_cpu's is varlen)."""
+    """`run`'s output as `as_numpy`, in our layout [B, Hq, L, D] (vllm_cpu's is varlen),
+    or for a mixed batch in vLLM's varlen [rows, Hq, D]."""
     return as_numpy(getattr(run, "standard", lambda o: o)(run()))

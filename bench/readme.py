@@ -19,7 +19,7 @@ import json
 import sys
 
 from . import goals as goals_mod
-from .grid import PATHS
+from .grid import BANDWIDTH_OPS, MIXED_L, PATHS
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 LONG_BEGIN, LONG_END = "<!-- bench-long:begin -->", "<!-- bench-long:end -->"
@@ -68,21 +68,22 @@ def _rows(cases, op):
 
 
 def _attention_table(cases, op) -> list[str]:
-    rate = "GB/s (of the read timed beside it; of the run's best read)" if op == "decode" else \
+    by_bandwidth = op in BANDWIDTH_OPS
+    rate = "GB/s (of the read timed beside it; of the run's best read)" if by_bandwidth else \
         "GFLOP/s (of sgemm; of FMA peak)"
-    extra = [] if op == "decode" else ["torch GFLOP/s (of FMA peak)"]
-    head = ["dtype", "B", "S" if op == "decode" else "L = S", "page", "paged ms", f"paged {rate}", *PATHS[1:], *extra]
+    extra = [] if by_bandwidth else ["torch GFLOP/s (of FMA peak)"]
+    head = ["dtype", "B", "S" if by_bandwidth else "L = S", "page", "paged ms", f"paged {rate}", *PATHS[1:], *extra]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (dtype, b, s, ps), row in _rows(cases, op).items():
         p = row.get("paged", {})
         if "median_s" in p:
             rate_text = f"{p['gbytes_per_s']:.3g} ({p['bandwidth_fraction']:.0%}; {p['limit_fraction']:.0%})" \
-                if op == "decode" else \
+                if by_bandwidth else \
                 f"{p['gflops']:.3g} ({p['flops_fraction']:.0%}; {_of_peak(p)})"
         else:
             rate_text = "-"
         cells = [dtype, b, s, ps, median_cell(p), rate_text, *(median_cell(row.get(path)) for path in PATHS[1:])]
-        if op != "decode":
+        if not by_bandwidth:
             t = row.get("torch_sdpa", {})
             cells.append(f"{t['gflops']:.3g} ({_of_peak(t)})" if "median_s" in t else "-")
         lines.append("| " + " | ".join(str(x) for x in cells) + " |")
@@ -114,6 +115,11 @@ def render(report: dict) -> str:
         out += _attention_table(cases, "decode")
     out += ["", "Prefill (B 1, causal, L = S): median ms, as above.", ""]
     out += _attention_table(cases, "prefill")
+    if any(c["op"] == "mixed" for c in cases):
+        out += ["", f"Mixed batches (speculative decode beside decode: the first half of the batch one new token, "
+                f"the rest {MIXED_L} rows each, over S cached positions): median ms and bandwidth as for decode; "
+                "paged makes one call per query length, vllm_cpu one varlen call.", ""]
+        out += _attention_table(cases, "mixed")
     writes = [c for c in cases if c["op"] == "write"]
     if writes:
         out += ["", "| write (K and V, 8 heads, D 128, f32) | " + " | ".join(

@@ -46,7 +46,7 @@ from . import grid, machine, overhead, paths, timing, write
 from .readme import median_cell as _ms
 
 
-READ = "read"  # the read limit's stream, timed beside each decode case
+READ = "read"  # the read limit's stream, timed beside each decode (and mixed) case
 VLLM_METADATA = "vllm_cpu metadata"  # vLLM's per-step metadata build, timed beside its kernel
 ORDER_MAX_ROUNDS = 300  # per order in timing.order_check (paged vs vllm_cpu)
 
@@ -58,13 +58,13 @@ def attention_cases(level: str, log=print) -> list[dict]:
     the decode and the reference alike instead of the decode alone."""
     specs = grid.attention_specs(level)
     pools, rows = paths.Pools(specs), []
-    reader = machine.ReadStream(impl.num_threads()) if any(s.op == "decode" for s in specs) else None
+    reader = machine.ReadStream(impl.num_threads()) if any(s.op in grid.BANDWIDTH_OPS for s in specs) else None
     try:
         for spec in specs:
             skipped = {path: grid.skip_reason(spec, path) for path in grid.PATHS}
             timed = [path for path in grid.PATHS if skipped[path] is None]
-            runs = {path: paths.make(path, pools.case_for(spec, path)) for path in timed}
-            if spec.op == "decode":
+            runs = {path: paths.make(path, pools.case_for(spec, path), spec.rows) for path in timed}
+            if spec.op in grid.BANDWIDTH_OPS:
                 runs[READ] = reader
             if "vllm_cpu" in runs:
                 runs[VLLM_METADATA] = runs["vllm_cpu"].metadata
@@ -105,7 +105,7 @@ def _derive(cases: list[dict], limits: dict) -> None:
         if c["op"] == "write":
             c["bandwidth_fraction"] = c["gbytes_per_s"] / limits["read_gbytes_per_s"]
             continue
-        if c["op"] == "decode":
+        if c["op"] in grid.BANDWIDTH_OPS:
             c["bandwidth_fraction"] = c["gbytes_per_s"] / c.get("read_gbytes_per_s", limits["read_gbytes_per_s"])
             c["limit_fraction"] = c["gbytes_per_s"] / limits["read_gbytes_per_s"]
         c["gflops"] = c["flops"] / c["median_s"] / 1e9

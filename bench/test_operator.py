@@ -52,7 +52,7 @@ def test_operator(request, benchmark, pools, spec, path):
     reason = grid.skip_reason(spec, path)
     if reason:
         pytest.skip(reason)
-    run = paths.make(path, pools.case_for(spec, path))
+    run = paths.make(path, pools.case_for(spec, path), spec.rows)
     benchmark.group = f"{spec.id}"
     benchmark.extra_info.update(spec.describe(), path=path, bytes=spec.io_bytes(path), flops=spec.flops())
     _time(request, benchmark, run)
@@ -64,7 +64,7 @@ def test_vllm_cpu_metadata(request, benchmark, pools, spec):
     reason = grid.skip_reason(spec, "vllm_cpu")
     if reason:
         pytest.skip(reason)
-    meta = paths.make("vllm_cpu", pools.case(spec)).metadata
+    meta = paths.make("vllm_cpu", pools.case(spec), spec.rows).metadata
     benchmark.group = f"{spec.id}"
     benchmark.extra_info.update(spec.describe(), path="vllm_cpu metadata")
     _time(request, benchmark, meta)
@@ -82,7 +82,7 @@ def test_vllm_cpu_order(request, benchmark, pools, spec):
     if reason:
         pytest.skip(reason)
     case = pools.case(spec)
-    paged, vllm = paths.make("paged", case), paths.make("vllm_cpu", case)
+    paged, vllm = paths.make("paged", case, spec.rows), paths.make("vllm_cpu", case, spec.rows)
     rounds = min(timing.rounds_for(timing.timed(paged), "quick"), timing.rounds_for(timing.timed(vllm), "quick"))
     order = timing.order_check(paged, vllm, rounds)
     benchmark.group = f"{spec.id}"
@@ -99,11 +99,11 @@ def test_paths_agree(request, pools, spec):
     if _level(request.config) != "smoke":
         pytest.skip("checked by the smoke grid (plain pytest)")
     case = pools.case(spec)
-    want = paths.result(paths.make("paged", case))
+    want = paths.result(paths.make("paged", case, spec.rows))
     tol = 2e-2 if spec.dtype == "bfloat16" else 1e-4
     for path in grid.PATHS:
         if grid.skip_reason(spec, path) is None and path not in grid.KV_PATHS:
-            got = paths.result(paths.make(path, case))
+            got = paths.result(paths.make(path, case, spec.rows))
             np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{path} vs paged at {spec.id}")
 
 

@@ -21,10 +21,10 @@ def test_report_fields(smoke_report):
     lim = smoke_report["limits"]
     assert lim["read_gbytes_per_s"] > 0 and lim["sgemm_gflops"] > 0 and lim["fma_gflops"] > 0
     ops = {c["op"] for c in smoke_report["cases"]}
-    assert ops == {"decode", "prefill", "write"}
+    assert ops == {"decode", "prefill", "mixed", "write"}
     for c in smoke_report["cases"]:
         assert "skipped" in c or (c["median_s"] > 0 and c["p95_s"] >= c["median_s"]), c
-        if "median_s" in c and c["op"] == "decode":
+        if "median_s" in c and c["op"] in ("decode", "mixed"):
             assert c["gbytes_per_s"] > 0 and c["read_gbytes_per_s"] > 0
             assert c["bandwidth_fraction"] == pytest.approx(c["gbytes_per_s"] / c["read_gbytes_per_s"])
             assert c["limit_fraction"] == pytest.approx(c["gbytes_per_s"] / lim["read_gbytes_per_s"])
@@ -48,6 +48,8 @@ def test_readme_region_is_generated(tmp_path, smoke_report):
     first = path.read_text()
     assert first.index("## Benchmarks") < first.index(readme.BEGIN) < first.index(readme.END) < first.index("## Status")
     assert "| goal | measured | target | verdict |" in first
+    mixed = first.split("Mixed batches (")[1]
+    assert "| float32 | 4 | 128 | 16 |" in mixed and "Skipped" in mixed, "the mixed table follows the prefill one"
     readme.rewrite(str(path), smoke_report)
     assert path.read_text() == first, "rewriting from the same report changes nothing"
 
