@@ -23,10 +23,12 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import mlx.core as mx
 import numpy as np
 import pagecheck_kernels
 
 import impl
+from impl.runtime import KERNEL_STREAM
 
 MIN_READ_BYTES = 256 * 10**6
 SGEMM_N = 2048
@@ -81,6 +83,22 @@ class ReadStream:
     def close(self) -> None:
         self._pool.shutdown()
         self.data = self._slices = None
+
+
+class StreamRoundTrip:
+    """One call evaluates a 4-element add on the stream that runs pagecheck's kernels
+    (impl.runtime.KERNEL_STREAM): the caller hands the op to MLX's stream thread and
+    waits for it, as every paged call does. Timed beside the small cases: the floor of
+    any MLX-dispatched call, which a kernel run in the calling thread (vLLM's op) has not."""
+
+    def __init__(self):
+        self._x = mx.zeros((4,))
+        mx.eval(self._x)
+
+    def __call__(self):
+        out = mx.add(self._x, 1.0, stream=KERNEL_STREAM)
+        mx.eval(out)
+        return out
 
 
 def read_bandwidth(threads: int, nbytes: int | None = None, repeat: int = 7) -> float:

@@ -20,6 +20,7 @@ ratios), `goals`, `wall_s`. A timed case has:
 | `median_s`, `p95_s`, `min_s`, `rounds` | latency over the timed rounds (after one warm-up)        |
 | `bytes`, `gbytes_per_s`            | K/V read + Q + O + table entries (write: rows written), over the median |
 | `read_gbytes_per_s` (decode)       | the read limit's stream (bench/machine.py) timed in turns beside this case: its median rate |
+| `round_trip_median_s` (decode)     | a trivial op evaluated on the kernels' MLX stream (machine.StreamRoundTrip), timed in the same turns: the floor of any call through MLX |
 | `bandwidth_fraction` (decode)      | gbytes_per_s / read_gbytes_per_s (the same load on both)  |
 | `limit_fraction` (decode)          | gbytes_per_s / the run's best read rate (`limits`)          |
 | `flops`, `gflops`, `flops_fraction` (prefill) | causal QK^T + PV FLOPs over the median, / measured sgemm |
@@ -47,6 +48,7 @@ from .readme import median_cell as _ms
 
 
 READ = "read"  # the read limit's stream, timed beside each decode (and mixed) case
+ROUND_TRIP = "stream round trip"  # machine.StreamRoundTrip, timed beside the same cases
 VLLM_METADATA = "vllm_cpu metadata"  # vLLM's per-step metadata build, timed beside its kernel
 ORDER_MAX_ROUNDS = 300  # per order in timing.order_check (paged vs vllm_cpu)
 
@@ -59,6 +61,7 @@ def attention_cases(level: str, log=print) -> list[dict]:
     specs = grid.attention_specs(level)
     pools, rows = paths.Pools(specs), []
     reader = machine.ReadStream(impl.num_threads()) if any(s.op in grid.BANDWIDTH_OPS for s in specs) else None
+    round_trip = machine.StreamRoundTrip()
     try:
         for spec in specs:
             skipped = {path: grid.skip_reason(spec, path) for path in grid.PATHS}
@@ -66,6 +69,7 @@ def attention_cases(level: str, log=print) -> list[dict]:
             runs = {path: paths.make(path, pools.case_for(spec, path), spec.rows) for path in timed}
             if spec.op in grid.BANDWIDTH_OPS:
                 runs[READ] = reader
+                runs[ROUND_TRIP] = round_trip
             if "vllm_cpu" in runs:
                 runs[VLLM_METADATA] = runs["vllm_cpu"].metadata
             times = timing.side_by_side(runs, level)
@@ -78,6 +82,7 @@ def attention_cases(level: str, log=print) -> list[dict]:
             read = {}
             if READ in times:
                 read["read_gbytes_per_s"] = reader.nbytes / timing.summary(times[READ])["median_s"] / 1e9
+                read["round_trip_median_s"] = timing.summary(times[ROUND_TRIP])["median_s"]
             for path in grid.PATHS:
                 row = {**spec.describe(), "path": path}
                 if skipped[path]:

@@ -69,3 +69,19 @@ def test_a_mixed_batch_is_cut_into_runs_of_equal_query_length():
         assert np.array_equal(np.array(part.context_lens), np.array(case.context_lens)[batch])
     [(rows, whole)] = paths.by_query_length(case, None)
     assert rows == grid.MIXED_L and whole is case
+
+
+def test_a_missed_vllm_goal_says_where_the_time_goes():
+    """At the worst decode shape: paged's time and the MLX stream round trip timed beside
+    it; at the worst prefill: each kernel's share of the FMA peak."""
+    decode = [{**_case("decode", path, 0.5), "round_trip_median_s": 0.4e-3} for path in ("paged", "vllm_cpu")]
+    every = next(g for g in goals.evaluate({"cases": decode}) if g["goal"] == goals.VLLM_EVERY_GOAL)
+    assert every["detail"].endswith("there paged took 1.000 ms, of it 0.400 ms the MLX stream round trip (a trivial "
+                                    "op timed beside it; vLLM's op runs in the calling thread)")
+    prefill = [{**_case("prefill", path, 0.7), "fma_fraction": share} for path, share in (("paged", 0.43),
+                                                                                          ("vllm_cpu", 0.61))]
+    every = next(g for g in goals.evaluate({"cases": prefill}) if g["goal"] == goals.VLLM_EVERY_GOAL)
+    assert every["detail"].endswith("there paged ran at 43% of the FMA peak, vllm_cpu at 61%")
+    met = [_case("decode", path, 1.2) for path in ("paged", "vllm_cpu")]
+    every = next(g for g in goals.evaluate({"cases": met}) if g["goal"] == goals.VLLM_EVERY_GOAL)
+    assert every["met"] and "there paged" not in every["detail"]

@@ -25,7 +25,7 @@ def test_report_fields(smoke_report):
     for c in smoke_report["cases"]:
         assert "skipped" in c or (c["median_s"] > 0 and c["p95_s"] >= c["median_s"]), c
         if "median_s" in c and c["op"] in ("decode", "mixed"):
-            assert c["gbytes_per_s"] > 0 and c["read_gbytes_per_s"] > 0
+            assert c["gbytes_per_s"] > 0 and c["read_gbytes_per_s"] > 0 and c["round_trip_median_s"] > 0
             assert c["bandwidth_fraction"] == pytest.approx(c["gbytes_per_s"] / c["read_gbytes_per_s"])
             assert c["limit_fraction"] == pytest.approx(c["gbytes_per_s"] / lim["read_gbytes_per_s"])
         if "median_s" in c and c["op"] == "prefill":
