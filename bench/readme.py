@@ -19,6 +19,7 @@ import json
 import sys
 
 from . import goals as goals_mod
+from . import layers
 from .grid import BANDWIDTH_OPS, MIXED_L, PATHS
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -136,6 +137,9 @@ def render(report: dict) -> str:
                 f"their lazy output {r['paged_host_median_s'] * 1e6:.1f} / {r['with_metadata_host_median_s'] * 1e6:.1f} us; "
                 f"the checks alone {r['validation_median_s'] * 1e6:.1f} us (PagedMetadata.build, the serving path's "
                 f"once a step, {r['build_median_s'] * 1e6:.1f} us)."]
+    if report.get("layers"):
+        out += ["", f"Small decode calls alone and in a graph of layers (bench/layers.py; in parentheses vLLM / "
+                "pagecheck a call, alone / in the graph):", ""] + [f"- {line}" for line in layers.lines(report["layers"])]
     s = report.get("serving")
     if s:
         r, v = s["ratios"], s["variants"]

@@ -11,7 +11,8 @@ higher of each is used).
 
 JSON: `machine` (versions, threads), `limits`, `level`, `cases` (one per op x path x
 case, timed or `"skipped": reason`), `overhead` (bench/overhead.py: the per-call cost of
-validation, one row per batch size), `serving` (bench/serving.py's report and its
+validation, one row per batch size), `layers` (bench/layers.py: small decode calls alone
+and a layer stack's worth in one graph, beside vLLM), `serving` (bench/serving.py's report and its
 ratios), `goals`, `wall_s`. A timed case has:
 
 | field                              | meaning                                                   |
@@ -43,7 +44,7 @@ import time
 import impl
 
 from . import goals as goals_mod
-from . import grid, machine, overhead, paths, timing, write
+from . import grid, layers, machine, overhead, paths, timing, write
 from .readme import median_cell as _ms
 
 
@@ -154,6 +155,8 @@ def run(level: str, *, with_serving: bool = True, log=print) -> dict:
     if not sweep_only:
         log("per-call overhead ...")
         report["overhead"] = overhead.run(level)
+        log("small decode calls alone and in a graph ...")
+        report["layers"] = layers.run(level)
     if with_serving and not sweep_only:
         log("serving trace ...")
         report["serving"] = serving_section(level)
@@ -187,6 +190,7 @@ def table(report: dict) -> str:
                      f"(the calls alone {r['paged_host_median_s'] * 1e6:.1f} / "
                      f"{r['with_metadata_host_median_s'] * 1e6:.1f} us; validation alone "
                      f"{r['validation_median_s'] * 1e6:.1f} us, build {r['build_median_s'] * 1e6:.1f} us)")
+    lines += layers.lines(report.get("layers", []))
     lines += vllm_lines(report["cases"])
     if "serving" in report:
         lines += ["", "serving: " + report["serving"]["table"]]

@@ -37,6 +37,7 @@ def test_report_fields(smoke_report):
     for r in smoke_report["overhead"]:
         assert r["paged_median_s"] > 0 and r["with_metadata_median_s"] > 0 and r["validation_median_s"] > 0
         assert r["overhead_s"] == pytest.approx(r["paged_median_s"] - r["with_metadata_median_s"])
+    assert [(r["batch"], r["context"], r["layers"]) for r in smoke_report["layers"]] == [(1, 128, 32)]
     assert [g["goal"] for g in smoke_report["goals"]] == [g["goal"] for g in goals.evaluate(smoke_report)]
     assert report.table(smoke_report)
 
@@ -48,6 +49,7 @@ def test_readme_region_is_generated(tmp_path, smoke_report):
     first = path.read_text()
     assert first.index("## Benchmarks") < first.index(readme.BEGIN) < first.index(readme.END) < first.index("## Status")
     assert "| goal | measured | target | verdict |" in first
+    assert "- decode B1 S128 ps16 float32: paged " in first.split("in a graph of layers")[1]
     mixed = first.split("Mixed batches (")[1]
     assert "| float32 | 4 | 128 | 16 |" in mixed and "Skipped" in mixed, "the mixed table follows the prefill one"
     readme.rewrite(str(path), smoke_report)
