@@ -1,0 +1,60 @@
+"""What mutmut showed unpinned in the KV scales' validation (impl/validation.py
+`_kv_scale`, contract v2): each rejection's clause and exact message, the bounds of a
+float scale, and scales given as NumPy float32 arrays, which are taken as they are."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import impl
+from contract import ScorePipeline
+from impl.validation import Geometry, check_pipeline
+
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in validation's exact messages")]
+
+# 7 pages of 4 positions, 2 KV heads
+GEOM = Geometry(batch=2, q_heads=4, kv_heads=2, query_len=3, head_dim=8, num_pages=7, page_size=4, max_pages=3,
+                value_dim=8)
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _scales(k_scale, v_scale=None):
+    opts = check_pipeline(GEOM, ScorePipeline(kv_dtype="int8", k_scale=k_scale, v_scale=v_scale))
+    return opts.k_scale, opts.v_scale
+
+
+BAD_SCALES = {
+    "zero": (0.0, "k_scale must be a finite float32 value > 0, got 0.0"),
+    "negative": (-2, "k_scale must be a finite float32 value > 0, got -2"),
+    "past-float32": (1e39, "k_scale must be a finite float32 value > 0, got 1e+39"),
+    "nan": (float("nan"), "k_scale must be a finite float32 value > 0, got nan"),
+    "numpy-float64": (np.ones(2), "k_scale must be float32, got float64"),
+    "list": ([1.0, 2.0], "k_scale must be a float or a float32 mlx.core.array, got list"),
+    "bool": (True, "k_scale must be a float or a float32 mlx.core.array, got bool"),
+    "mlx-float16": (mx.ones((2,), dtype=mx.float16), "k_scale must be float32, got float16"),
+    "shape": (mx.ones((3,)), "k_scale shape (3,) is none of [] (per tensor), [Hkv] = (2,) (per head) or "
+                             "[P, Hkv, page_size] = (7, 2, 4) (per token)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_SCALES))
+def test_each_bad_scale_says_exactly_what_was_wrong(name):
+    scale, message = BAD_SCALES[name]
+    with pytest.raises(impl.ContractViolation) as e:
+        _scales(scale)
+    assert (e.value.clause, str(e.value)) == ("kv_scale", message)
+
+
+def test_a_float_scale_up_to_float32s_largest_is_a_float32_scalar():
+    k, v = _scales(F32_MAX, 0.5)
+    assert (k.dtype, k.shape, k.item(), v.item()) == (mx.float32, (), F32_MAX, 0.5)
+    assert _scales(None)[0].item() == 1.0, "no scale is 1.0"
+
+
+@pytest.mark.parametrize("shape", [(), (2,), (7, 2, 4)])
+def test_numpy_float32_scales_are_taken_as_given(shape):
+    given = np.random.default_rng(3).uniform(0.5, 2.0, shape).astype(np.float32)
+    k, _ = _scales(given)
+    assert isinstance(k, mx.array) and k.dtype == mx.float32 and np.array_equal(np.array(k), given)
