@@ -23,6 +23,9 @@ from contract import KV_DTYPES, ScorePipeline, granularity_of, storage_dtype
 from .errors import ContractViolation
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# A Python float: NumPy 2 would cast a Python float compared with np.float32's max to
+# float32, warn of an overflow past it (an error under -W error), and compare inf.
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ def check_options(head_dim: int, scale, mask, window) -> tuple[float, bool, int]
     elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise ContractViolation("scale", f"scale must be a float, got {type(scale).__name__} {scale!r}")
     scale = float(scale)
-    if not math.isfinite(scale) or abs(scale) > np.finfo(np.float32).max:
+    if not math.isfinite(scale) or abs(scale) > F32_MAX:
         raise ContractViolation("scale", f"scale must be a finite float32 value, got {scale!r}")
     if not (mask is None or (isinstance(mask, str) and mask == "causal")):
         raise ContractViolation("mask", f"mask must be 'causal' or None, got {mask!r}")
@@ -181,7 +184,7 @@ def _kv_scale(name: str, x, geom: Geometry) -> mx.array:
         x = 1.0
     if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool):
         value = float(x)
-        if not (math.isfinite(value) and 0.0 < value <= np.finfo(np.float32).max):
+        if not (math.isfinite(value) and 0.0 < value <= F32_MAX):
             raise ContractViolation("kv_scale", f"{name} must be a finite float32 value > 0, got {x!r}")
         return mx.array(value, dtype=mx.float32)
     if isinstance(x, np.ndarray):
@@ -211,7 +214,7 @@ def check_pipeline(geom: Geometry, pipeline: ScorePipeline) -> KernelOptions:
             raise ContractViolation("softcap", f"softcap must be a float > 0 or None, got {type(softcap).__name__} "
                                                f"{softcap!r}")
         softcap = float(softcap)
-        if not (math.isfinite(softcap) and 0.0 < softcap <= np.finfo(np.float32).max):
+        if not (math.isfinite(softcap) and 0.0 < softcap <= F32_MAX):
             raise ContractViolation("softcap", f"softcap must be a finite float32 value > 0, got {softcap!r}")
     if not isinstance(pipeline.return_lse, (bool, np.bool_)):
         raise ContractViolation("lse", f"return_lse must be True or False, got {pipeline.return_lse!r}")

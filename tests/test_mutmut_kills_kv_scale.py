@@ -4,6 +4,8 @@ float scale, and scales given as NumPy float32 arrays, which are taken as they a
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -58,3 +60,15 @@ def test_numpy_float32_scales_are_taken_as_given(shape):
     given = np.random.default_rng(3).uniform(0.5, 2.0, shape).astype(np.float32)
     k, _ = _scales(given)
     assert isinstance(k, mx.array) and k.dtype == mx.float32 and np.array_equal(np.array(k), given)
+
+
+@pytest.mark.parametrize("option", ["scale", "softcap", "k_scale"])
+def test_values_past_float32_are_rejected_without_a_warning(option):
+    """A bound compared as np.float32 casts the value first: NumPy 2 warns of the
+    overflow, and under -W error (as many test suites run) that warning, not the
+    ContractViolation, reached the caller."""
+    pipeline = ScorePipeline(**{option: 1e39}, **({"kv_dtype": "int8"} if option == "k_scale" else {}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(impl.ContractViolation, match="must be a finite"):
+            check_pipeline(GEOM, pipeline)
