@@ -1,6 +1,7 @@
-"""What mutmut showed unpinned in the KV scales' validation (impl/validation.py
-`_kv_scale`, contract v2): each rejection's clause and exact message, the bounds of a
-float scale, and scales given as NumPy float32 arrays, which are taken as they are."""
+"""What mutmut showed unpinned in the contract-v2 options' validation (impl/validation.py
+`_kv_scale`, `_head_vector`): each rejection's clause and exact message, the bounds of a
+float scale, and scales, ALiBi slopes and sinks given as NumPy float32 arrays, which are
+taken as they are."""
 
 from __future__ import annotations
 
@@ -72,3 +73,19 @@ def test_values_past_float32_are_rejected_without_a_warning(option):
         warnings.simplefilter("error")
         with pytest.raises(impl.ContractViolation, match="must be a finite"):
             check_pipeline(GEOM, pipeline)
+
+
+@pytest.mark.parametrize("option", ["alibi_slopes", "sinks"])
+def test_head_vectors_from_numpy_float32_are_taken_as_given(option):
+    given = np.array([0.5, -1.0, 2.0, 0.25], dtype=np.float32)
+    taken = getattr(check_pipeline(GEOM, ScorePipeline(**{option: given})), option)
+    assert isinstance(taken, mx.array) and taken.dtype == mx.float32 and np.array_equal(np.array(taken), given)
+
+
+@pytest.mark.parametrize("option", ["alibi_slopes", "sinks"])
+@pytest.mark.parametrize("bad, message", [(np.ones(4), "must be float32, got float64"),
+                                          ([0.5] * 4, "must be an mlx.core.array (float32 [Hq]), got list")])
+def test_each_bad_head_vector_says_exactly_what_was_wrong(option, bad, message):
+    with pytest.raises(impl.ContractViolation) as e:
+        check_pipeline(GEOM, ScorePipeline(**{option: bad}))
+    assert (e.value.clause, str(e.value)) == (option, f"{option} {message}")
