@@ -89,3 +89,15 @@ def test_each_bad_head_vector_says_exactly_what_was_wrong(option, bad, message):
     with pytest.raises(impl.ContractViolation) as e:
         check_pipeline(GEOM, ScorePipeline(**{option: bad}))
     assert (e.value.clause, str(e.value)) == (option, f"{option} {message}")
+
+
+def test_softcap_up_to_float32s_largest_is_taken():
+    assert check_pipeline(GEOM, ScorePipeline(softcap=F32_MAX)).softcap == F32_MAX
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+def test_a_scale_without_a_kv_dtype_says_so(name):
+    with pytest.raises(impl.ContractViolation) as e:
+        check_pipeline(GEOM, ScorePipeline(**{name: 0.5}))
+    assert (e.value.clause, str(e.value)) == (
+        "kv_scale", f"{name} is given but kv_dtype is None: scales belong to quantized pages")
