@@ -2,11 +2,13 @@
 graph (issue 22, points 2 and 4: where small-batch latency goes).
 
 Every call through MLX hands its primitive to the kernels' stream thread and waits for
-it: the round trip (machine.StreamRoundTrip, ~0.1 ms on the 2-core KVM guest) that the
-grid's small decode cases pay once per call, and vLLM's op, run in the calling thread,
-never pays. A model step builds its whole graph and evaluates it once, so its LAYERS
-attention calls share one round trip. Both are timed here in turns, beside LAYERS vLLM
-calls in a row (its per-layer cost in a step):
+it: the round trip (machine.StreamRoundTrip; on the 2-core KVM guest ~15 us between
+kernel calls, ~0.1 ms once the vCPUs have gone idle) that the grid's small decode cases
+pay once per call, and vLLM's op, run in the calling thread, never pays. A model step
+builds its whole graph and evaluates it once, so its LAYERS attention calls share one
+round trip. Both are timed here in turns, beside LAYERS vLLM calls in a row (its
+per-layer cost in a step); measured 2026-12-02, a call in the graph cost about as much
+as one alone, so the round trip is not what small calls lose on:
 
 | field                       | meaning                                                         |
 |-----------------------------|-----------------------------------------------------------------|
