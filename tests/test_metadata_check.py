@@ -147,3 +147,12 @@ def test_paged_attention_computes_with_the_metadata_it_checked():
     assert bits(out) == expected
     with pytest.raises(impl.ContractViolation, match=r"block_table\[0, 0\] = 1000000 is outside the pool"):
         impl.paged_attention(case.query, case.key_pages, case.value_pages, table, lens, case.page_size)
+
+
+def test_a_page_size_past_int64_capacity_is_not_a_short_table():
+    """max_pages * page_size past int64 saturates: a valid request is accepted, as the
+    exact product would say (PagedMetadata.build takes any page_size >= 1)."""
+    table, lens = mx.array([[0, 1]], dtype=mx.int32), mx.array([5], dtype=mx.int32)
+    assert pagecheck_kernels.check_metadata(table, lens, 2 ** 62, 4, 1) == (0, 0, 0, 0, 0)
+    meta = impl.PagedMetadata.build(np.array(table), np.array(lens), page_size=2 ** 62, num_pages=4, query_len=1)
+    assert meta.page_size == 2 ** 62

@@ -1,5 +1,6 @@
 #include "metadata_check.h"
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -27,7 +28,11 @@ MetadataFault check_metadata(const mx::array& block_table, const mx::array& cont
   const int32_t* ctx = lens.data<int32_t>();
   const int32_t* ids = table.data<int32_t>();
   const int64_t ctx_stride = lens.strides()[0], row_stride = table.strides()[0], col_stride = table.strides()[1];
-  const int64_t capacity = max_pages * page_size;  // both are array sizes: no overflow in int64
+  // PagedMetadata.build takes any page_size >= 1: a product past int64 saturates (no
+  // int32 context exceeds it). j * page_size below cannot overflow: it is formed only
+  // for j <= 1 or while (j - 1) * page_size < context < 2^31.
+  int64_t capacity;
+  if (__builtin_mul_overflow(max_pages, page_size, &capacity)) capacity = INT64_MAX;
   MetadataFault fault;
   for (int64_t b = 0; b < B; ++b) {
     const int32_t n = ctx[b * ctx_stride];
