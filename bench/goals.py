@@ -93,10 +93,10 @@ def _bandwidth_bound(c: dict) -> bool:
 
 
 def _where_the_time_goes(goal: dict, pairs, cases) -> dict:
-    """Where a vLLM goal is not met, what bounds paged at the worst shape: the MLX stream
-    round trip timed beside it (a decode or mixed case: every call through MLX waits on
-    its stream thread, while vLLM's op runs in the calling thread), or the share of the
-    FMA peak each kernel reached (prefill)."""
+    """Where a vLLM goal is not met, what paged's time at the worst shape holds: the MLX
+    stream round trip timed beside it (a decode or mixed case: every call through MLX
+    waits on its stream thread, while vLLM's op runs in the calling thread), or the share
+    of the FMA peak each kernel reached (prefill)."""
     if goal["met"] is not False:
         return goal
     worst = min(pairs, key=lambda p: p[0])[1]

@@ -36,7 +36,7 @@ import numpy as np
 
 import impl
 from contract import ScorePipeline
-from impl.validation import PagedMetadata, check_arrays, check_metadata_values, check_pipeline, metadata_array
+from impl.validation import PagedMetadata, check_arrays, check_metadata_dtype, check_metadata_values, check_pipeline
 
 from . import timing
 from .grid import SHAPE
@@ -82,7 +82,7 @@ def callables(args) -> dict:
         pipeline = ScorePipeline(None, "causal", None, None, None, None, False, None, None, None)
         geom = check_arrays(q, kp, vp, table, lens, PAGE_SIZE, None)
         check_pipeline(geom, pipeline)
-        check_metadata_values(metadata_array("block_table", table), metadata_array("context_lens", lens),
+        check_metadata_values(check_metadata_dtype("block_table", table), check_metadata_dtype("context_lens", lens),
                               page_size=geom.page_size, num_pages=geom.num_pages, query_len=geom.query_len)
 
     def build():

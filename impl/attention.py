@@ -37,8 +37,8 @@ import pagecheck_kernels as _kernels
 from contract import ScorePipeline
 
 from .runtime import KERNEL_STREAM
-from .validation import (KernelOptions, PagedMetadata, check_arrays, check_metadata_values, check_pipeline,
-                         metadata_array)
+from .validation import (KernelOptions, PagedMetadata, check_arrays, check_metadata_dtype, check_metadata_values,
+                         check_pipeline)
 
 # kv_dtype -> the kernel's element code (paged_attention.h KvCode)
 KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
@@ -70,8 +70,9 @@ def paged_attention(query, key_pages, value_pages, block_table, context_lens, pa
                              v_scale)
     geom = check_arrays(query, key_pages, value_pages, block_table, context_lens, page_size, kv_dtype)
     opts = check_pipeline(geom, pipeline)
-    table = metadata_array("block_table", block_table)
-    lens = metadata_array("context_lens", context_lens)
+    # check_arrays took MLX arrays only: the kernel reads the caller's, checked in place
+    table = check_metadata_dtype("block_table", block_table)
+    lens = check_metadata_dtype("context_lens", context_lens)
     check_metadata_values(table, lens, page_size=geom.page_size, num_pages=geom.num_pages,
                           query_len=geom.query_len)
     return _run(query, key_pages, value_pages, table, lens, geom.page_size, opts)

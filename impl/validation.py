@@ -97,7 +97,7 @@ def check_arrays(query, key_pages, value_pages, block_table, context_lens, page_
         elif x.dtype != query.dtype:
             raise ContractViolation("dtype", f"{name} dtype {_dtype_name(x.dtype)} differs from query dtype "
                                              f"{_dtype_name(query.dtype)}")
-    # Metadata dtypes (int32) are checked where the values are read: metadata_array.
+    # Metadata dtypes (int32) are checked where the values are read: check_metadata_dtype.
     B, Hq, L, D = query.shape
     P, Hkv, slots, Dk = key_pages.shape
     if tuple(value_pages.shape[:3]) != tuple(key_pages.shape[:3]) or value_pages.shape[3] < 1:
@@ -263,9 +263,8 @@ def check_metadata_values(block_table: mx.array, context_lens: mx.array, *, page
                             f"[0, {num_pages}) (request {b} reads logical page {i})")
 
 
-def metadata_array(name, x) -> mx.array:
-    """`block_table` / `context_lens` as the int32 MLX array the kernel reads: an MLX
-    array as given, numpy int32 copied."""
+def check_metadata_dtype(name, x):
+    """`block_table` / `context_lens`: an int32 MLX or NumPy array, returned as given."""
     if isinstance(x, mx.array):
         if x.dtype != mx.int32:
             raise ContractViolation("metadata_dtype", f"{name} must be int32, got {_dtype_name(x.dtype)}")
@@ -273,7 +272,7 @@ def metadata_array(name, x) -> mx.array:
     if isinstance(x, np.ndarray):
         if x.dtype != np.int32:
             raise ContractViolation("metadata_dtype", f"{name} must be int32, got {x.dtype}")
-        return mx.array(x)
+        return x
     raise ContractViolation("type", f"{name} must be an mlx.core.array or numpy int32 array, got {type(x).__name__}")
 
 
@@ -300,17 +299,18 @@ class PagedMetadata:
 
     @classmethod
     def build(cls, block_table, context_lens, *, page_size: int, num_pages: int, query_len: int) -> PagedMetadata:
-        bt = metadata_array("block_table", block_table)
-        cl = metadata_array("context_lens", context_lens)
+        bt = check_metadata_dtype("block_table", block_table)
+        cl = check_metadata_dtype("context_lens", context_lens)
         if bt.ndim != 2 or cl.ndim != 1 or bt.shape[0] != cl.shape[0]:
             raise ContractViolation("shape", f"block_table {tuple(bt.shape)} and context_lens {tuple(cl.shape)} "
                                     "must be [B, max_pages] and [B]")
         page_size = _int_arg("page_size", page_size, "page_size")
         if page_size < 1:
             raise ContractViolation("page_size", f"page_size must be >= 1, got {page_size}")
-        # The snapshot first, then the check on it: the host copies and the kernel's
-        # arrays hold what was checked, whatever the caller's arrays become later (an
-        # MLX array's in-place update rebinds the very object it was given as).
+        # The snapshot first (one host copy of MLX or NumPy input, one MLX array of it),
+        # then the check on it: the host copies and the kernel's arrays hold what was
+        # checked, whatever the caller's arrays become later (an MLX array's in-place
+        # update rebinds the very object it was given as).
         bt_host, cl_host = np.array(bt, copy=True), np.array(cl, copy=True)
         bt, cl = mx.array(bt_host), mx.array(cl_host)
         check_metadata_values(bt, cl, page_size=page_size, num_pages=num_pages, query_len=query_len)
