@@ -1,5 +1,6 @@
 #include "huge_pages.h"
 
+#include <cerrno>
 #include <cstdint>
 
 #if defined(__linux__)
@@ -17,7 +18,14 @@ bool huge_pages(void* data, size_t bytes, bool now) {
   if (last < first + 2 * kHuge) return false;  // a buffer this small gains next to nothing
   void* range = reinterpret_cast<void*>(first);
   if (madvise(range, last - first, MADV_HUGEPAGE) != 0) return false;
-  return !now || madvise(range, last - first, kCollapse) == 0;
+  if (!now) return true;
+  // EAGAIN is Linux's "transient, try again" (a page it could not lock or compact this
+  // time): the first pool built after a large pip install failed once that way here.
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    if (madvise(range, last - first, kCollapse) == 0) return true;
+    if (errno != EAGAIN) return false;
+  }
+  return false;
 #else
   (void)data;
   (void)bytes;

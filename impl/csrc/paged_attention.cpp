@@ -63,6 +63,26 @@ void run_format(int kv_code, const Problem& pr, const mx::array& q, const mx::ar
 }
 
 // A scale array's granularity (contract/kv_format.py), by its shape.
+// An input as the kernel reads it: row-contiguous. An array already scheduled or
+// evaluated (its flags are known) that is row-contiguous goes in as it is; anything else
+// through mx::contiguous. Each of those is a graph node that the CPU stream schedules
+// and runs, nine a call (B 1 S 128 f32 decode, 32 calls evaluated as one graph: 47 -> 34
+// us a call on 2 threads, 87 -> 50 us on one; building the call's graph 4.7 -> 2.0 us).
+mx::array row_contiguous(const mx::array& a, const mx::Stream& s) {
+  if (a.status() != mx::array::Status::unscheduled && a.flags().row_contiguous) return a;
+  return mx::contiguous(a, false, s);
+}
+
+// The inputs a call without them passes instead (constant arrays: no graph node).
+const mx::array& no_vector() {
+  static const mx::array* none = new mx::array(std::initializer_list<float>{});
+  return *none;
+}
+const mx::array& unit_scale() {
+  static const mx::array* one = new mx::array(1.f);
+  return *one;
+}
+
 Scales scales_of(const mx::array& a) {
   Scales sc;
   sc.data = a.data<float>();
@@ -108,8 +128,6 @@ std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx
   require(page_size >= 1 && key_pages.shape(2) == page_size, "page_size differs from the pool");
   require(window >= 0 && std::isfinite(scale), "window must be >= 0 and scale finite");
   require(softcap >= 0.f && std::isfinite(softcap), "softcap must be >= 0 (0: none) and finite");
-  const mx::array none = mx::zeros({0}, mx::float32);
-  const mx::array one = mx::array(1.f);
   const int P = key_pages.shape(0), Hkv = key_pages.shape(1);
   for (const auto* v : {&k_scale, &v_scale}) {
     if (!v->has_value()) continue;
@@ -127,12 +145,12 @@ std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx
   auto stream = mx::to_stream(s);
   std::vector<mx::array> inputs;
   for (const auto* a : {&query, &key_pages, &value_pages, &block_table, &context_lens}) {
-    inputs.push_back(mx::contiguous(*a, false, stream));
+    inputs.push_back(row_contiguous(*a, stream));
   }
-  inputs.push_back(mx::contiguous(alibi_slopes.value_or(none), false, stream));
-  inputs.push_back(mx::contiguous(sinks.value_or(none), false, stream));
-  inputs.push_back(mx::contiguous(k_scale.value_or(one), false, stream));
-  inputs.push_back(mx::contiguous(v_scale.value_or(one), false, stream));
+  inputs.push_back(row_contiguous(alibi_slopes.value_or(no_vector()), stream));
+  inputs.push_back(row_contiguous(sinks.value_or(no_vector()), stream));
+  inputs.push_back(row_contiguous(k_scale.value_or(unit_scale()), stream));
+  inputs.push_back(row_contiguous(v_scale.value_or(unit_scale()), stream));
   auto prim = std::make_shared<PagedAttention>(stream, page_size, scale, causal, window, softcap, kv_code);
   auto outs = mx::array::make_arrays(prim->output_shapes(inputs), {dt, mx::float32}, prim, std::move(inputs));
   return {outs[0], outs[1]};
