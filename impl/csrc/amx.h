@@ -63,7 +63,7 @@ class AmxTask {
 void amx_load_queries(const Problem& pr, const uint16_t* q, int b, const int* heads, const int* positions,
                       int rows, int nheads, const AmxTask& task, Scratch& s);
 
-// attend_chunk (kernel.h) for bfloat16 on the tiles: the same arguments and the same
+// attend_chunk (chunk.h) for bfloat16 on the tiles: the same arguments and the same
 // chunk state (ml, o) per row, from the queries amx_load_queries copied.
 void amx_attend_chunk(const Problem& pr, const uint16_t* kpool, const uint16_t* vpool, const int64_t* off, int jlo,
                       int jhi, int rows, int heads, const int* clo, const int* chi, AmxTask& task,

@@ -22,7 +22,7 @@
 // The loops take K and V rows in any element type E: a bf16 or f16 vector is widened in
 // registers as it is loaded (exact), so a few rows can read a half pool in place with
 // no widening pass through memory; callers with many rows per block widen the block
-// once instead (widen_rows, then E = F32). See BlockRows in kernel.h.
+// once instead (widen_rows, then E = F32). See BlockRows in chunk.h.
 #pragma once
 
 #include <algorithm>

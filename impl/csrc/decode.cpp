@@ -11,7 +11,7 @@
 // change the order of any floating-point operation. A bfloat16 call on AMX tiles
 // attends its chunks with amx_attend_chunk instead (amx.h), as the prefill does.
 #include "amx.h"
-#include "kernel.h"
+#include "chunk.h"
 #include "thread_pool.h"
 
 namespace pagecheck {

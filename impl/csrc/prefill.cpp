@@ -11,7 +11,7 @@
 #include <optional>
 
 #include "amx.h"
-#include "kernel.h"
+#include "chunk.h"
 #include "thread_pool.h"
 
 namespace pagecheck {

@@ -1,0 +1,306 @@
+// The attention of one chunk of keys for a group of query rows, on the float32 FMA
+// path: the blocked walk of the pool (for_blocks_ahead), the scores, the softmax and the
+// weighted values (attend_chunk), and clip_to_chunk, which both schedules (decode.cpp,
+// prefill.cpp) call per chunk. The problem, the block-table walk and the per-thread
+// scratch they use are kernel.h's; the bfloat16 tile path is amx.h's.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernel.h"
+
+namespace pagecheck {
+
+// A block's K or V rows as the blocked loops read them. Few rows per block (a decode
+// head's GQA group): in place, a half type widened in registers as each vector is
+// loaded, so no widening pass through memory. Many (prefill): widened once into
+// float32 scratch, then reused by every row group; float32 rows are copied there
+// only when they start mid cache line (read_in_place). Widening and copying are exact,
+// so every way gives the same bits.
+template <class E>
+struct BlockRows {
+  using T = typename E::T;
+  const T* in_pool[kBlock];
+  const float* widened[kBlock];
+  bool use_widened = false;
+
+  void point(const T* pool, const int64_t* off, int n, int D, bool widen_once, Scratch& s) {
+    use_widened = widen_once && !read_in_place<E>(pool + off[0], D);
+    if (use_widened) widen_rows<E>(pool, off, n, D, s.block.data(), s.zeros.data(), widened);
+    else pool_rows<E>(pool, off, n, s.zero_row<T>(), in_pool);
+  }
+  // next: the pool rows of the block read after this one, asked for while this one
+  // computes (ask_next), or null. A widened block is reused by many row groups, so its
+  // loads are few and it asks for nothing.
+  void scores(const float* const* q, int nr, int D, float* const* out, const T* const* next) const {
+    if (use_widened) scores16_rows<F32>(q, nr, widened, D, out);
+    else scores16_rows<E>(q, nr, in_pool, D, out, next);
+  }
+  // weigh_rows over the keys first .. first + n - 1 of the block.
+  void weigh(int first, const float* const* p, int nr, int n, float* const* o, int D, const T* const* next) const {
+    if (use_widened) weigh_rows<F32>(widened + first, p, nr, n, o, D);
+    else weigh_rows<E>(in_pool + first, p, nr, n, o, D, next);
+  }
+};
+
+// Open groups of rows keyed by their span [a, z) within one block of keys.
+struct RowGroups {
+  struct Group {
+    int a, z, n;
+    const float* p[kRowBlock];
+    float* o[kRowBlock];
+  };
+  // At most one per distinct span: a block of 16 keys has at most this many, and a
+  // chunk seen by a prefill query block at most one per position (prefill.cpp).
+  static constexpr int kCapacity = kBlock * (kBlock + 1) / 2 + 1;
+  Group list[kCapacity];
+  int count = 0;
+
+  Group& open(int a, int z) {
+    for (int i = 0; i < count; ++i) {
+      if (list[i].a == a && list[i].z == z) return list[i];
+    }
+    Group& g = list[count++];
+    g.a = a;
+    g.z = z;
+    g.n = 0;
+    return g;
+  }
+};
+
+// Calls weigh(g) for the rows [r0, r1) that see keys of [w0, w1), gathered into groups
+// of up to kRowBlock rows that see the same keys [a, z) of it (their spans clipped to
+// [w0, w1)): g.p[i] points at row i's score of key a (scores start at key jlo), g.o[i] at
+// its output. A group is weighed as soon as it is full, the partial ones at the end.
+template <class Weigh>
+inline void weigh_in_groups(int r0, int r1, int w0, int w1, const int* clo, const int* chi, int jlo,
+                            const float* scores, float* o, int D, Weigh&& weigh) {
+  RowGroups groups;
+  const auto flush = [&](RowGroups::Group& g) {
+    weigh(g);
+    g.n = 0;
+  };
+  for (int r = r0; r < r1; ++r) {
+    const int a = std::max(clo[r], w0), z = std::min(chi[r], w1);
+    if (a >= z) continue;
+    RowGroups::Group& g = groups.open(a, z);
+    g.p[g.n] = scores + static_cast<int64_t>(r) * Scratch::kScoreStride + (a - jlo);
+    g.o[g.n++] = o + static_cast<int64_t>(r) * D;
+    if (g.n == kRowBlock) flush(g);
+  }
+  for (int i = 0; i < groups.count; ++i) {
+    if (groups.list[i].n > 0) flush(groups.list[i]);
+  }
+}
+
+// Calls visit(h, jb, n) for every head h < heads and every block [jb, jb + n) of at most
+// kBlock keys of [jlo, jhi), in the pool's address order (a page is [Hkv, page_size, D]):
+// page by page, and within a page head by head, so a call streams whole pages rather
+// than one head's slice of each (too short for the hardware prefetcher). Pages smaller
+// than a block are not worth splitting at: then the blocks run over the whole range,
+// heads innermost. Every head still sees its keys in ascending order.
+template <class Visit>
+inline void for_blocks(const Problem& pr, int jlo, int jhi, int heads, Visit&& visit) {
+  const int ps = pr.page_size;
+  if (ps < kBlock) {
+    for (int jb = jlo; jb < jhi; jb += kBlock)
+      for (int h = 0; h < heads; ++h) visit(h, jb, std::min(kBlock, jhi - jb));
+    return;
+  }
+  for (int s0 = jlo; s0 < jhi;) {
+    const int s1 = std::min(jhi, (s0 / ps + 1) * ps);  // the end of s0's page
+    for (int h = 0; h < heads; ++h)
+      for (int jb = s0; jb < s1; jb += kBlock) visit(h, jb, std::min(kBlock, s1 - jb));
+    s0 = s1;
+  }
+}
+
+// for_blocks one block behind: visit(h, jb, n, next) also gets the pool rows of the
+// block visited after it (null for the last one), so that it can ask for them while it
+// computes (ask_next): the hardware prefetcher alone stops running ahead whenever the
+// loads pause for the multiply-adds, so without this the time for memory and the time
+// for arithmetic add up instead of overlapping.
+// head_stride: elements between two KV heads' slices of a page in `pool`.
+template <class E, class Visit>
+inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const int64_t* off, int jlo, int jhi,
+                             int heads, int64_t head_stride, const typename E::T* zero_row, Visit&& visit) {
+  using T = typename E::T;
+  const T* next[kBlock];
+  int h0 = -1, jb0 = 0, n0 = 0;  // the block waiting for its successor
+  for_blocks(pr, jlo, jhi, heads, [&](int h, int jb, int n) {
+    if (h0 >= 0) {
+      pool_rows<E>(pool + h * head_stride, off + (jb - jlo), n, zero_row, next);
+      visit(h0, jb0, n0, next);
+    }
+    h0 = h;
+    jb0 = jb;
+    n0 = n;
+  });
+  if (h0 >= 0) visit(h0, jb0, n0, nullptr);
+}
+
+// The weighted values of one chunk when a head has many rows (prefill): rows that see
+// the same keys [a, z) of the chunk are weighed together, kRowBlock at a time, over all
+// of those keys in one call, so their outputs stay in registers across the chunk instead
+// of being loaded and stored again for every block of 16 keys (that traffic held the
+// block-by-block loop at about half the multiply-add rate). The chunk's V rows are read
+// in place (float32) or widened once into scratch. Every output element still adds
+// p_j v_j for j ascending from a, one fused multiply-add each: the same bits as the
+// block-by-block walk. Spans depend only on a row's position, so a prefill query block
+// has at most one per position in a chunk, whatever the GQA group. Float32 rows that
+// start mid cache line are copied too (read_in_place).
+template <class E>
+void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t* off, int jlo, int jhi,
+                    int rows, int heads, const int* clo, const int* chi, Scratch& s, float* o) {
+  const int D = pr.Dv, per_head = rows / heads, n = jhi - jlo;  // off: the V rows' offsets
+  const float* values[kChunk];
+  for (int h = 0; h < heads; ++h) {
+    const typename E::T* vh = vpool + h * pr.value_slice();
+    const bool in_place = read_in_place<E>(vh + off[0], D);
+    if constexpr (std::is_same_v<E, F32>) {
+      if (in_place) pool_rows<F32>(vh, off, n, s.zeros.data(), values);
+    }
+    if (!in_place) {
+      s.chunk_values.resize(static_cast<size_t>(kChunk) * D);
+      widen_rows<E>(vh, off, n, D, s.chunk_values.data(), s.zeros.data(), values);
+    }
+    weigh_in_groups(h * per_head, (h + 1) * per_head, jlo, jhi, clo, chi, jlo, s.scores.data(), o, D,
+                    [&](const RowGroups::Group& g) {
+                      weigh_rows<F32>(values + (g.a - jlo), g.p, g.n, g.z - g.a, g.o, D, nullptr, /*fresh=*/true);
+                    });
+  }
+}
+
+// Attention of `rows` query rows over the keys of one chunk, for `heads` consecutive KV
+// heads: rows [h * rows / heads, (h + 1) * rows / heads) read KV head h (counted from
+// the head `off` points at). clo/chi: each row's visible keys clipped to the chunk
+// (clo >= chi: none); [jlo, jhi): their union; off, voff: the K and V row offsets of
+// keys jlo .. jhi-1 of the first head. In logit mode the scores become logits
+// (to_logits, reading s.heads and s.pos). Writes each row's chunk state: ml[2r] = m,
+// ml[2r+1] = l (0 when the row sees no key here), o[r*Dv ...]. K/V come in blocks of up
+// to 16 keys (for_blocks) so a block is loaded (and widened) once for all rows of the
+// GQA group, and each block asks for the next one while it computes (for_blocks_ahead).
+// values_by_group: weigh the values group by group over the whole chunk instead
+// (weigh_by_group; for callers with many rows per head whose K/V stay in cache).
+// Keys a row cannot see are never used, and keys outside [jlo, jhi) never read: their
+// slots may hold NaN (REFERENCE.md invariant 9).
+template <class E>
+void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename E::T* vpool,
+                  const int64_t* off, const int64_t* voff, int jlo, int jhi, const float* q32, int rows,
+                  int heads, const int* clo, const int* chi, Scratch& s, float* ml, float* o,
+                  bool values_by_group = false) {
+  using T = typename E::T;
+  const int D = pr.D, Dv = pr.Dv, per_head = rows / heads;
+  const int64_t stride = Scratch::kScoreStride;
+  const int64_t head_stride = pr.head_slice();
+  const bool widen_once = per_head > kRowBlock;  // see BlockRows
+  const int64_t value_stride = pr.value_slice();
+  BlockRows<E> block;
+  for (int r = 0; r < rows; ++r) {
+    ml[2 * r] = kNegInf;
+    ml[2 * r + 1] = 0.f;
+    // weigh_by_group starts each row that sees a key from zero itself; a row that sees
+    // none keeps l == 0, so merge_state never reads its o.
+    if (!values_by_group) std::fill(o + static_cast<int64_t>(r) * Dv, o + static_cast<int64_t>(r + 1) * Dv, 0.f);
+  }
+  if constexpr (kQuantized<E>) {
+    // One scale per (head, key), looked up once here: K's with the score's sign folded in
+    // (exact), so each score is multiplied once.
+    s.key_scales.resize(static_cast<size_t>(heads) * kChunk);
+    s.value_scales.resize(static_cast<size_t>(heads) * kChunk);
+    chunk_scales(pr, pr.k_scales, s.slots.data(), jhi - jlo, heads, pr.score_sign, s.key_scales.data());
+    chunk_scales(pr, pr.v_scales, s.slots.data(), jhi - jlo, heads, 1.f, s.value_scales.data());
+  }
+  const T* zero_row = s.zero_row<T>();
+  for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, head_stride, zero_row,
+                      [&](int h, int jb, int n, const T* const* next) {
+    const T* kh = kpool + h * head_stride;
+    block.point(kh, off + (jb - jlo), n, D, widen_once, s);
+    // A float32 value pass that copies the chunk's V rows after the softmax (pool rows
+    // that start mid cache line, as MLX's do) gets them from L2 instead of L3 when they
+    // are asked for now: L 2048 prefill, 2 threads, 120.4 -> 117.9 ms. Measured and left
+    // out: asking for rows read in place (2% slower) or for half-type rows (3% slower).
+    if constexpr (std::is_same_v<E, F32>) {
+      const T* head_values = vpool + h * value_stride;
+      if (values_by_group && !read_in_place<E>(head_values + voff[0], Dv)) {
+        ask_rows(head_values, voff + (jb - jlo), n, Dv);
+      }
+    }
+    // The rows of this head that see a key of this block, kRowBlock at a time.
+    const float* qs[kRowBlock];
+    float* ss[kRowBlock];
+    int nsel = 0;
+    const auto score_selected = [&] {
+      block.scores(qs, nsel, D, ss, next);
+      next = nullptr;  // asked for by the first rows
+      if constexpr (kQuantized<E>) {  // K's scale, once per score (the sign folded in)
+        const float* ks = s.key_scales.data() + h * kChunk + (jb - jlo);
+        for (int i = 0; i < nsel; ++i)
+          for (int k = 0; k < n; ++k) ss[i][k] *= ks[k];
+      } else if (pr.score_sign < 0.f) {  // a negative scale; times +1 would change no bit
+        for (int i = 0; i < nsel; ++i)
+          for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
+      }
+      nsel = 0;
+    };
+    for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
+      if (clo[r] >= jb + n || chi[r] <= jb) continue;
+      qs[nsel] = q32 + static_cast<int64_t>(r) * D;
+      ss[nsel++] = s.scores.data() + r * stride + (jb - jlo);
+      if (nsel == kRowBlock) score_selected();
+    }
+    if (nsel > 0) score_selected();  // the last rows that see this block, fewer than kRowBlock
+  });
+  // Softmax numerators and denominators, per row, over its visible keys only.
+  for (int r = 0; r < rows; ++r) {
+    if (clo[r] >= chi[r]) continue;
+    float* sc = s.scores.data() + r * stride + (clo[r] - jlo);  // key clo[r] onwards
+    const int n = chi[r] - clo[r];
+    if (pr.logits) to_logits(pr, s.heads[r], s.pos[r], clo[r], sc, n);
+    const float m = max_of(sc, n);
+    exp2_shifted(sc, n, m, pr.qk_scale);
+    ml[2 * r] = m;
+    ml[2 * r + 1] = lane_sum(sc, clo[r], n);
+    if constexpr (kQuantized<E>) {  // V's scale, once per weight, after the denominator took it
+      const float* vs = s.value_scales.data() + (r / per_head) * kChunk + (clo[r] - jlo);
+      for (int k = 0; k < n; ++k) sc[k] *= vs[k];
+    }
+  }
+  // Weighted values, ascending j for every row.
+  if (values_by_group) {
+    weigh_by_group<E>(pr, vpool, voff, jlo, jhi, rows, heads, clo, chi, s, o);
+    return;
+  }
+  for_blocks_ahead<E>(pr, vpool, voff, jlo, jhi, heads, value_stride, zero_row,
+                      [&](int h, int jb, int n, const T* const* next) {
+    const T* vh = vpool + h * value_stride;
+    block.point(vh, voff + (jb - jlo), n, Dv, widen_once, s);
+    // Rows that see the same keys [a, z) of this block share their V loads: gather
+    // them into groups of up to kRowBlock (a causal block has a few distinct spans;
+    // the GQA heads of one position always share theirs).
+    weigh_in_groups(h * per_head, (h + 1) * per_head, jb, jb + n, clo, chi, jlo, s.scores.data(), o, Dv,
+                    [&](const RowGroups::Group& g) {
+                      block.weigh(g.a - jb, g.p, g.n, g.z - g.a, g.o, Dv, next);
+                      next = nullptr;
+                    });
+  });
+}
+
+// Clip every row's span to chunk c; returns the union [jlo, jhi) (empty: jlo >= jhi).
+inline void clip_to_chunk(int c, int rows, const int* lo, const int* hi, int* clo, int* chi,
+                          int& jlo, int& jhi) {
+  const int c0 = c * kChunk, c1 = c0 + kChunk;
+  jlo = c1;
+  jhi = c0;
+  for (int r = 0; r < rows; ++r) {
+    clo[r] = std::max(lo[r], c0);
+    chi[r] = std::min(hi[r], c1);
+    if (clo[r] < chi[r]) {
+      jlo = std::min(jlo, clo[r]);
+      jhi = std::max(jhi, chi[r]);
+    }
+  }
+}
+
+}  // namespace pagecheck
