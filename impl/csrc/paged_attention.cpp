@@ -62,7 +62,6 @@ void run_format(int kv_code, const Problem& pr, const mx::array& q, const mx::ar
   }
 }
 
-// A scale array's granularity (contract/kv_format.py), by its shape.
 // An input as the kernel reads it: row-contiguous. An array already scheduled or
 // evaluated (its flags are known) that is row-contiguous goes in as it is; anything else
 // through mx::contiguous. Each of those is a graph node that the CPU stream schedules
@@ -73,7 +72,8 @@ mx::array row_contiguous(const mx::array& a, const mx::Stream& s) {
   return mx::contiguous(a, false, s);
 }
 
-// The inputs a call without them passes instead (constant arrays: no graph node).
+// The inputs a call without them passes instead: constant arrays (no graph node), made
+// once and never freed, so none outlives MLX's allocator at exit.
 const mx::array& no_vector() {
   static const mx::array* none = new mx::array(std::initializer_list<float>{});
   return *none;
@@ -83,6 +83,7 @@ const mx::array& unit_scale() {
   return *one;
 }
 
+// A scale array's granularity (contract/kv_format.py), by its shape.
 Scales scales_of(const mx::array& a) {
   Scales sc;
   sc.data = a.data<float>();
