@@ -20,7 +20,7 @@ author need not import pagecheck). Every key is optional; an unknown key is a us
 | `set_num_threads`   | callable(n): sets the worker count                           | None                       |
 | `framework`         | what the kernel takes: `mlx`, `numpy`, `torch` (set by the bridges) | `mlx`               |
 | `device`            | `cpu` or `cuda` (torch bridge)                               | `cpu`                      |
-| `layout`            | KV page layout (conformance/formats/kv.py: `hnd`, `nhd`, `kv_hnd`, `kv_nhd`, `kv_last`, `vllm_split`) | `hnd` (pagecheck's) |
+| `layout`            | KV page layout (conformance/formats/kv.py: `hnd`, `nhd`, `kv_hnd`, `kv_nhd`, `kv_last`, `vllm_split`, `amx_packed`) | `hnd` (pagecheck's) |
 | `page_table`        | `padded` (block_table + seq_lens) or `csr` (FlashInfer's kv_indptr / kv_indices / kv_last_page_len) | `padded` |
 | `query_packing`     | `padded` `[B, Hq, L, D]` or `varlen` `[T, Hq, D]` + `cu_seqlens_q` | `padded`             |
 | `window_convention` | `count` (w keys: pagecheck, vLLM, HF), `flash` (FlashAttention's `(w - 1, 0)`), `flashinfer` (`window_left = w - 1`) | `count` |
@@ -77,7 +77,7 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 CHOICES = {
     "framework": ("mlx", "numpy", "torch"),
     "device": ("cpu", "cuda"),
-    "layout": ("hnd", "nhd", "kv_hnd", "kv_nhd", "kv_last", "vllm_split"),
+    "layout": ("hnd", "nhd", "kv_hnd", "kv_nhd", "kv_last", "vllm_split", "amx_packed"),
     "page_table": ("padded", "csr"),
     "query_packing": ("padded", "varlen"),
     "window_convention": ("count", "flash", "flashinfer"),
@@ -281,6 +281,8 @@ class Capabilities:
         if self.layout == "vllm_split" and head_dim % split_x(dtype):
             return (f"head dim {head_dim} (layout vllm_split splits D into chunks of x = {split_x(dtype)} "
                     f"for {dtype})")
+        if self.layout == "amx_packed" and (head_dim % 32 or page_size % 32):
+            return f"head dim {head_dim}, page size {page_size} (layout amx_packed: multiples of 32)"
         return None
 
     @property

@@ -37,18 +37,20 @@ import pagecheck_kernels as _kernels
 from contract import ScorePipeline
 
 from .runtime import KERNEL_STREAM
-from .validation import (KernelOptions, PagedMetadata, check_arrays, check_metadata_dtype, check_metadata_values,
-                         check_pipeline)
+from .validation import (KernelOptions, PagedMetadata, check_arrays, check_kv_layout, check_metadata_dtype,
+                         check_metadata_values, check_pipeline)
 
 # kv_dtype -> the kernel's element code (paged_attention.h KvCode)
 KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
 
 
-def _run(query, key_pages, value_pages, block_table, context_lens, page_size: int, opts: KernelOptions):
+def _run(query, key_pages, value_pages, block_table, context_lens, page_size: int, opts: KernelOptions,
+         packed: bool = False):
     out, lse = _kernels.paged_attention(query, key_pages, value_pages, block_table, context_lens, page_size,
                                         opts.scale, opts.causal,
                                         opts.window, opts.softcap, opts.alibi_slopes, opts.sinks,
-                                        KV_CODES[opts.kv_dtype], opts.k_scale, opts.v_scale, stream=KERNEL_STREAM)
+                                        KV_CODES[opts.kv_dtype], opts.k_scale, opts.v_scale, packed,
+                                        stream=KERNEL_STREAM)
     # The kernel always writes the lse beside the output (the same merge makes both);
     # a caller that did not ask gets the output alone, as in the first contract.
     return (out, lse) if opts.return_lse else out
@@ -80,17 +82,22 @@ def paged_attention(query, key_pages, value_pages, block_table, context_lens, pa
 
 def paged_attention_with_metadata(query, key_pages, value_pages, metadata: PagedMetadata, *,
                                   scale=None, mask="causal", window=None, softcap=None, alibi_slopes=None,
-                                  sinks=None, return_lse=False, kv_dtype=None, k_scale=None, v_scale=None):
+                                  sinks=None, return_lse=False, kv_dtype=None, k_scale=None, v_scale=None,
+                                  kv_layout=None):
     """The serving path: metadata values were checked when `metadata` was built.
 
     Shapes and dtypes are still checked (no host sync), including that the call
     matches the batch, query length and pool the metadata was validated for.
+    `kv_layout="amx_packed"`: the pools' page slices are in the tile-packed order
+    (`PagePool(layout="amx_packed")`, conformance/formats/kv.py; bfloat16, page_size and
+    head dim multiples of 32, Dv = Dk); None: the contract's rows.
     """
     pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale,
                              v_scale)
     geom = check_arrays(query, key_pages, value_pages, metadata.block_table, metadata.context_lens,
                         metadata.page_size, kv_dtype)
     opts = check_pipeline(geom, pipeline)
+    packed = check_kv_layout(geom, kv_layout, query.dtype, opts.kv_dtype)
     metadata.check_matches(geom)
     return _run(query, key_pages, value_pages, metadata.block_table, metadata.context_lens, metadata.page_size,
-                opts)
+                opts, packed)

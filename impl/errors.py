@@ -23,6 +23,7 @@ on it); the message names the offending argument, request or page.
 | `lse`               | `return_lse` not True or False                                |
 | `kv_dtype`          | an unknown `kv_dtype`, or pages not holding its codes (uint8 fp8, int8) |
 | `kv_scale`          | `k_scale` / `v_scale` not a float > 0 or a float32 `[]`, `[Hkv]` or `[P, Hkv, ps]` array, or given without a `kv_dtype` |
+| `kv_layout`         | serving path: `kv_layout` neither None nor `"amx_packed"`, or packed pages that are not bfloat16 with page_size and head dim multiples of 32 and Dv = Dk |
 | `merge`             | `merge_states` inputs of other shapes or dtypes than its contract |
 | `context_negative`  | `context_lens[b] < 0`                                         |
 | `context_short`     | `0 < context_lens[b] < L`                                     |
@@ -57,6 +58,7 @@ class ServingError(ValueError):
     | `append_dtype`   | new K/V rows whose dtype differs from the pool's rows' dtype (`PagePool.dtype`) |
     | `kv_dtype`       | a pool's unknown `kv_dtype`, or a quantized pool's `fill` other than NaN or 0.0 |
     | `kv_scale`       | a pool's `scales` not tensor / head / token, or `k_scale` / `v_scale` of the wrong shape or dtype, not finite float32 values > 0, given for token scales or without a `kv_dtype` |
+    | `kv_layout`      | a pool's `layout` neither None nor `"amx_packed"`, or packed without bfloat16 pages whose page_size and head_dim are multiples of 32 |
     | `shared_write`   | a raw write into a page other holders share (use the cache: it copies first) |
     | `released`       | using a paged cache after `release()`                         |
     | `request`        | a request id the scheduler does not know, or one given twice  |

@@ -4,7 +4,8 @@
 |-----------------|------------------------------------------------------|---------------------------------|
 | `keys(l)`       | layer l's key pages, the operator's `key_pages`      | page dtype `[P, Hkv, page_size, D]` |
 | `values(l)`     | layer l's value pages                                | page dtype `[P, Hkv, page_size, D]` |
-| `kv_options(l)` | the operator's `kv_dtype`, `k_scale`, `v_scale` for layer l (`{}` unquantized) | dict |
+| `kv_options(l)` | the operator's `kv_dtype`, `k_scale`, `v_scale` for layer l (`{}` unquantized), and `kv_layout` for a packed pool | dict |
+| `layout`        | None (the contract's rows) or `"amx_packed"` (below)  | str or None                     |
 | page id p       | one page in every layer at once                      | int in `[0, P)`                 |
 | slot            | `page * page_size + offset`, one position of a page  | int64                           |
 | `bytes_per_page`| K and V of one page over all layers (token scales included) | int                      |
@@ -29,6 +30,14 @@ unquantized write. The scale `s` by granularity (`scales=`):
 So an unwritten fp8 slot reads NaN under any scale, an int8 one only with token scales
 (a tensor or head scaled int8 pool has no value that shows the poison: -128 marks it in
 the pool's bits, not in attention outputs).
+
+`layout="amx_packed"` (bfloat16 pools, page_size and head_dim multiples of 32): each
+head's `[page_size, head_dim]` slice holds its elements in the order the AMX tiles read
+them (conformance/formats/kv.py, impl/csrc/packed_layout.h), written so by every write;
+`paged_attention_with_metadata(..., **pool.kv_options(l))` reads it (the tile decode
+then takes K and V from the pool without packing them on every call: README, "bf16
+decode on AMX"). Page ids, slots, page copies and the allocator are unchanged; the
+contract entry point `paged_attention` takes the row layout only.
 
 The capacity is fixed at construction (`num_pages` or `capacity_bytes`); nothing grows.
 Writes go through `pagecheck_kernels.write_slots` / `quantize_slots` / `write_scales`,
@@ -79,7 +88,7 @@ class PagePool:
     def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, page_size: int,
                  dtype=mx.float32, num_pages: int | None = None, capacity_bytes: int | None = None,
                  fill: float = math.nan, poison_freed: bool = False, kv_dtype: str | None = None,
-                 scales: str = "tensor", k_scale=None, v_scale=None):
+                 scales: str = "tensor", k_scale=None, v_scale=None, layout: str | None = None):
         for name, v in (("num_layers", num_layers), ("kv_heads", kv_heads),
                         ("head_dim", head_dim), ("page_size", page_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -89,6 +98,9 @@ class PagePool:
         self.num_layers, self.kv_heads, self.head_dim, self.page_size = num_layers, kv_heads, head_dim, page_size
         self.dtype = dtype
         self.kv_dtype, self.granularity = _check_format(kv_dtype, scales, fill)
+        self.layout = _check_layout(layout, dtype, kv_dtype, page_size, head_dim)
+        # the write path's page order (impl/csrc/packed_layout.h PageOrder) for K and V
+        self._orders = (1, 2) if self.layout else (0, 0)
         per_layer = [_layer_scales(name, x, self.granularity, num_layers, kv_heads)
                      for name, x in (("k_scale", k_scale), ("v_scale", v_scale))]
         self.page_dtype = dtype if kv_dtype is None else _CODE_DTYPES[storage_dtype(kv_dtype)]
@@ -134,7 +146,7 @@ class PagePool:
         unquantized pool, so `paged_attention(..., **pool.kv_options(l))` fits both."""
         layer = self._check_layer(layer)
         if self.kv_dtype is None:
-            return {}
+            return {"kv_layout": self.layout} if self.layout else {}
         return dict(kv_dtype=self.kv_dtype, k_scale=self._k_scales[layer], v_scale=self._v_scales[layer])
 
     @property
@@ -193,9 +205,9 @@ class PagePool:
             return
         ids = slots.device
         if self.kv_dtype is None:
-            write = lambda pages, rows: _kernels.write_slots(pages, rows, ids, stream=KERNEL_STREAM)  # noqa: E731
-            self._replace(self._keys, layer, write, keys)
-            self._replace(self._values, layer, write, values)
+            for arrays, rows, order in ((self._keys, keys, self._orders[0]), (self._values, values, self._orders[1])):
+                self._replace(arrays, layer, lambda pages, r, o=order: _kernels.write_slots(
+                    pages, r, ids, o, stream=KERNEL_STREAM), rows)
             return
         self._quantize(self._keys, self._k_scales, layer, ids, keys)
         self._quantize(self._values, self._v_scales, layer, ids, values)
@@ -256,10 +268,10 @@ class PagePool:
         fill = math.nan if self.kv_dtype is None else _poison_code(self.kv_dtype)
         rows = mx.full((len(slots), self.kv_heads, self.head_dim), fill, dtype=self.page_dtype)
         slot_ids = mx.array(np.asarray(slots, dtype=np.int64))
-        write = lambda pg, r: _kernels.write_slots(pg, r, slot_ids, stream=KERNEL_STREAM)  # noqa: E731
         for layer in range(self.num_layers):
-            self._replace(self._keys, layer, write, rows)
-            self._replace(self._values, layer, write, rows)
+            for arrays, order in ((self._keys, self._orders[0]), (self._values, self._orders[1])):
+                self._replace(arrays, layer, lambda pg, r, o=order: _kernels.write_slots(
+                    pg, r, slot_ids, o, stream=KERNEL_STREAM), rows)
         if self.granularity == "token":
             nan = mx.full((len(slots), self.kv_heads), math.nan, dtype=mx.float32)
             write_nan = lambda sc, r: _kernels.write_scales(sc, r, slot_ids, stream=KERNEL_STREAM)  # noqa: E731
@@ -290,6 +302,24 @@ class PagePool:
             if refs > 1:
                 raise ServingError("shared_write", f"page {p} is shared by {refs} holders; copy it before writing")
         return arr
+
+
+PACKED_MULTIPLE = 32  # an amx_packed slice: whole 32-key V slabs, whole 32-element d steps
+
+
+def _check_layout(layout, dtype, kv_dtype, page_size: int, head_dim: int) -> str | None:
+    """A pool's page layout (module docstring), or ServingError("kv_layout")."""
+    if layout is None:
+        return None
+    if not isinstance(layout, str) or layout != "amx_packed":
+        raise ServingError("kv_layout", f"layout must be None (rows) or 'amx_packed', got {layout!r}")
+    if dtype != mx.bfloat16 or kv_dtype is not None:
+        raise ServingError("kv_layout", f"an amx_packed pool holds bfloat16 pages, got {_dtype_name(dtype)}"
+                                        + (f" as {kv_dtype} codes" if kv_dtype else ""))
+    if page_size % PACKED_MULTIPLE or head_dim % PACKED_MULTIPLE:
+        raise ServingError("kv_layout", f"an amx_packed pool needs page_size and head_dim multiples of "
+                                        f"{PACKED_MULTIPLE}, got {page_size} and {head_dim}")
+    return layout
 
 
 def _poison_code(kv_dtype: str) -> int:

@@ -234,6 +234,28 @@ def check_pipeline(geom: Geometry, pipeline: ScorePipeline) -> KernelOptions:
                          kv_dtype, k_scale, v_scale)
 
 
+# The page orders of the serving path: None, the contract's rows, or the tile-packed order
+# (impl/csrc/packed_layout.h) that the AMX tiles read without packing.
+KV_LAYOUTS = (None, "amx_packed")
+PACKED_MULTIPLE = 32  # page_size and head dim of a packed pool: whole 32-key V units, whole tiles
+
+
+def check_kv_layout(geom: Geometry, kv_layout, dtype, kv_dtype) -> bool:
+    """`kv_layout` of a serving call against its arrays; True for the packed order."""
+    if kv_layout is None:
+        return False
+    if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
+        raise ContractViolation("kv_layout", f"kv_layout must be None (rows) or 'amx_packed', got {kv_layout!r}")
+    if dtype != mx.bfloat16 or kv_dtype is not None:
+        raise ContractViolation("kv_layout", f"amx_packed pages hold bfloat16 (the tiles' operands), got "
+                                             f"{_dtype_name(dtype)} pages" + (f" of {kv_dtype} codes" if kv_dtype else ""))
+    if geom.page_size % PACKED_MULTIPLE or geom.head_dim % PACKED_MULTIPLE or geom.value_dim != geom.head_dim:
+        raise ContractViolation("kv_layout", f"amx_packed needs page_size and head dim multiples of "
+                                f"{PACKED_MULTIPLE} and Dv = Dk, got page_size {geom.page_size}, Dk "
+                                f"{geom.head_dim}, Dv {geom.value_dim}")
+    return True
+
+
 # pagecheck_kernels.check_metadata's rule codes (impl/csrc/metadata_check.h), 0 = none
 METADATA_RULES = (None, "context_negative", "context_short", "table_short", "page_id")
 

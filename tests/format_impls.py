@@ -84,11 +84,33 @@ def _codes(layout, kw, pages, slots):
     elif layout == "kv_last":
         d = kw["kv_cache"].shape[-1] // 2
         k, v = kw["kv_cache"][pages, :, slots, :d], kw["kv_cache"][pages, :, slots, d:]
+    elif layout == "amx_packed":  # [P, Hkv, ps, D], each head's slice permuted (conformance/formats/kv.py)
+        k = _packed_rows(kw["key_cache"], pages, slots, _packed_key_index)
+        v = _packed_rows(kw["value_cache"], pages, slots, _packed_value_index)
     else:  # vllm_split: key [P, Hkv, D/x, ps, x], value [P, Hkv, D, ps]
         k = kw["key_cache"][pages, :, :, slots, :]
         k = k.reshape(k.shape[0], k.shape[1], k.shape[2] * k.shape[3])
         v = kw["value_cache"][pages, :, :, slots]
     return k.astype(np.float64), v.astype(np.float64)
+
+
+def _packed_key_index(slot, d, D):
+    """amx_packed K: (key block, d step, d pair, key, element of the pair), flattened."""
+    return ((slot // 16 * (D // 32) + d // 32) * 16 + d % 32 // 2) * 32 + 2 * (slot % 16) + d % 2
+
+
+def _packed_value_index(slot, d, D):
+    """amx_packed V: (32-key slab, d tile, key pair, d, key of the pair), flattened."""
+    return ((slot // 32 * (D // 16) + d // 16) * 16 + slot % 32 // 2) * 32 + 2 * (d % 16) + slot % 2
+
+
+def _packed_rows(cache, pages, slots, index):
+    """Rows (page, slot) of an amx_packed cache: `[n, Hkv, D]`, element d of each at
+    index(slot, d, D) of its head's flattened slice."""
+    P, hkv, ps, D = cache.shape
+    at = index(np.asarray(slots)[:, None], np.arange(D)[None, :], D)  # [n, D]
+    flat = cache.reshape(P, hkv, ps * D)[np.asarray(pages)]  # [n, Hkv, ps * D]
+    return np.take_along_axis(flat, np.broadcast_to(at[:, None, :], (len(at), hkv, D)), axis=2)
 
 
 def _requests(fmt, kw, defect):

@@ -19,16 +19,21 @@ from tests.format_impls import _rows
 LAYOUTS = CHOICES["layout"]
 
 
-def _pools(dtype="float32", D=16):
-    case = paged_case(context_lens=[9, 0, 20], query_len=3, q_heads=4, kv_heads=2, head_dim=D, page_size=4,
-                      dtype=dtype, fill=0.0, seed=7)
+# amx_packed permutes whole 32 x 32 blocks of a page's slice: its pools are that large
+PAGE_SIZES = {"amx_packed": 32}
+HEAD_DIMS = {"amx_packed": 32}
+
+
+def _pools(dtype="float32", D=16, layout=None):
+    case = paged_case(context_lens=[9, 0, 20], query_len=3, q_heads=4, kv_heads=2, head_dim=max(D, HEAD_DIMS.get(layout, 0)),
+                      page_size=PAGE_SIZES.get(layout, 4), dtype=dtype, fill=0.0, seed=7)
     return case
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_holds_each_element_where_its_definition_says(layout, dtype):
-    case = _pools(dtype)
+    case = _pools(dtype, layout=layout)
     P, hkv, ps, D = case.key_pages.shape
     arrays = kv.pack(layout, case.key_pages, case.value_pages)
     host = {k: np.array(v.astype(mx.float32)) for k, v in arrays.items()}
@@ -43,7 +48,8 @@ def test_layout_holds_each_element_where_its_definition_says(layout, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_round_trip_keeps_every_bit(layout, dtype):
-    case = paged_case(context_lens=[7, 3], query_len=1, head_dim=16, page_size=4, dtype=dtype, seed=3)  # NaN fill
+    case = paged_case(context_lens=[7, 3], query_len=1, head_dim=HEAD_DIMS.get(layout, 16),
+                      page_size=PAGE_SIZES.get(layout, 4), dtype=dtype, seed=3)  # NaN fill
     k, v = kv.unpack(layout, kv.pack(layout, case.key_pages, case.value_pages))
     assert bits(k) == bits(case.key_pages) and bits(v) == bits(case.value_pages)
     assert k.dtype == case.key_pages.dtype
@@ -177,12 +183,14 @@ def test_a_format_key_switches_to_the_native_call():
 def test_values_of_another_head_dim_keep_their_place_or_have_no_image(layout):
     """Dv != Dk: the separate-pool layouts carry V of any head dim, element for element;
     a layout holding K and V in one tensor cannot (NotExpressible)."""
-    case = _pools("float32", D=16)
-    values = case.value_pages[..., :8]  # Dv = 8, Dk = 16
+    case = _pools("float32", D=2 * HEAD_DIMS.get(layout, 8), layout=layout)
+    dk = case.key_pages.shape[-1]
+    dv = dk // 2  # Dv = 8, Dk = 16 (amx_packed: 32, 64)
+    values = case.value_pages[..., :dv]
     wide = case.with_(value_pages=values)
     caps = Capabilities.declared({"layout": layout})
     if layout in formats.STACKED:
-        with pytest.raises(NotExpressible, match="Dk = 16 != Dv = 8"):
+        with pytest.raises(NotExpressible, match=f"Dk = {dk} != Dv = {dv}"):
             formats.native(caps, *wide.args(), **wide.kwargs())
         return
     call = formats.native(caps, *wide.args(), **wide.kwargs())
@@ -190,8 +198,8 @@ def test_values_of_another_head_dim_keep_their_place_or_have_no_image(layout):
     host = {k: np.array(v) for k, v in call.kwargs.items() if k in ("key_cache", "value_cache")}
     pages, slots = np.repeat(np.arange(P), ps), np.tile(np.arange(ps), P)
     k, v = _rows(layout, host, pages, slots)
-    np.testing.assert_array_equal(v, np.array(values).transpose(0, 2, 1, 3).reshape(P * ps, hkv, 8))
-    assert k.shape[-1] == 16
+    np.testing.assert_array_equal(v, np.array(values).transpose(0, 2, 1, 3).reshape(P * ps, hkv, dv))
+    assert k.shape[-1] == dk
     back_k, back_v = kv.unpack(layout, {n: call.kwargs[n] for n in ("key_cache", "value_cache")})
     assert bits(back_v) == bits(values) and bits(back_k) == bits(case.key_pages)
 

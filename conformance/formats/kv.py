@@ -8,6 +8,13 @@
 | `kv_nhd`     | `kv_cache` `[P, 2, ps, Hkv, D]`                   | FlashInfer's paired cache, NHD      |
 | `kv_last`    | `kv_cache` `[P, Hkv, ps, 2D]` (K, then V)         | vLLM CPU's logical view             |
 | `vllm_split` | `key_cache` `[P, Hkv, D/x, ps, x]`, `value_cache` `[P, Hkv, D, ps]`; x = 16 bytes / itemsize | vLLM CUDA's paged_attention_v1/v2 |
+| `amx_packed` | `key_cache`, `value_cache` `[P, Hkv, ps, D]`, each head's `[ps, D]` slice in the AMX tiles' operand order (below) | pagecheck's serving pools, `PagePool(layout="amx_packed")` |
+
+`amx_packed` keeps the shape and the page/head order and permutes each head's slice
+(page_size and D multiples of 32; impl/csrc/packed_layout.h is the kernel's statement of
+the same order): K as `[ps/16, D/32, 16, 16, 2]`, key block / d step / d pair / key /
+element of the pair (the B operand of S = Q K^T for 16 keys), V as `[ps/32, D/16, 16, 16,
+2]`, 32-key slab / d tile / key pair / d / key of the pair (the B operand of O = P V).
 
 Every conversion is a pure re-indexing in MLX (any dtype, bf16 included): element
 `pages[p, g, s, d]` of either pool is the same element in the converted arrays, so NaN in
@@ -50,6 +57,8 @@ def pack(layout: str, key_pages: mx.array, value_pages: mx.array) -> dict:
         return {"kv_cache": mx.stack([key_pages.swapaxes(1, 2), value_pages.swapaxes(1, 2)], axis=1)}
     if layout == "kv_last":
         return {"kv_cache": mx.concatenate([key_pages, value_pages], axis=-1)}
+    if layout == "amx_packed":
+        return {"key_cache": _packed_keys(key_pages), "value_cache": _packed_values(value_pages)}
     if layout == "vllm_split":
         P, hkv, ps, D = key_pages.shape
         x = split_x(key_pages.dtype)
@@ -76,11 +85,42 @@ def unpack(layout: str, arrays: dict) -> tuple[mx.array, mx.array]:
         kv = arrays["kv_cache"]
         D = kv.shape[-1] // 2
         return kv[..., :D], kv[..., D:]
+    if layout == "amx_packed":
+        return _packed_keys(arrays["key_cache"], back=True), _packed_values(arrays["value_cache"], back=True)
     if layout == "vllm_split":
         keys, values = arrays["key_cache"], arrays["value_cache"]
         P, hkv, chunks, ps, x = keys.shape
         return keys.transpose(0, 1, 3, 2, 4).reshape(P, hkv, ps, chunks * x), values.swapaxes(2, 3)
     raise ValueError(f"unknown KV layout {layout!r}")
+
+
+PACKED_MULTIPLE = 32  # amx_packed: page_size and head dims in whole 32-key V slabs and 32-element d steps
+
+
+def _permute_slices(pages: mx.array, split: tuple, order: tuple, back: bool) -> mx.array:
+    """Each `[ps, D]` slice of `pages` viewed as `split` (its axes, slot ones first) and
+    permuted into `order`, or with `back` the inverse: `pages` holds the permuted view."""
+    P, hkv, ps, D = pages.shape
+    if ps % PACKED_MULTIPLE or D % PACKED_MULTIPLE:
+        raise NotExpressible(f"page_size {ps} and head dim {D} in layout amx_packed (multiples of "
+                             f"{PACKED_MULTIPLE})")
+    if back:
+        inverse = tuple(order.index(a) for a in range(len(order)))
+        permuted = tuple(split[a] for a in order)
+        return pages.reshape(P, hkv, *permuted).transpose(0, 1, *(2 + a for a in inverse)).reshape(P, hkv, ps, D)
+    return pages.reshape(P, hkv, *split).transpose(0, 1, *(2 + a for a in order)).reshape(P, hkv, ps, D)
+
+
+def _packed_keys(pages: mx.array, back: bool = False) -> mx.array:
+    """slot = 16 blk + k, d = 32 st + 2 p + e  ->  [blk, st, p, k, e]"""
+    ps, D = pages.shape[2:]
+    return _permute_slices(pages, (ps // 16, 16, D // 32, 16, 2), (0, 2, 3, 1, 4), back)
+
+
+def _packed_values(pages: mx.array, back: bool = False) -> mx.array:
+    """slot = 32 u + 2 i + e, d = 16 t + dd  ->  [u, t, i, dd, e]"""
+    ps, D = pages.shape[2:]
+    return _permute_slices(pages, (ps // 32, 16, 2, D // 16, 16), (0, 3, 1, 4, 2), back)
 
 
 SLOT_MAJOR = ("nhd", "kv_nhd")  # layouts whose slots come before the heads

@@ -91,6 +91,10 @@ struct Chunk {
   int padded(int h, int n) const { return h * RT * M + n; }
   uint16_t* ktile(int h, int blk) { return s.tile_k.data() + (static_cast<int64_t>(h) * kBlocks + blk) * S * kTileElems; }
   uint16_t* vtile(int h, int slab) { return s.tile_v.data() + (static_cast<int64_t>(h) * kSlabs + slab) * DT * kTileElems; }
+  // Where the score and weigh passes read K block blk and V slab u of head h: the tiles
+  // packed into scratch above, or a tile-packed pool's own (place_units).
+  const uint16_t* kunit(int h, int blk) const { return s.tile_k_at[h * kBlocks + blk]; }
+  const uint16_t* vunit(int h, int u) const { return s.tile_v_at[h * kSlabs + u]; }
   float* score_row(int p) { return s.tile_s.data() + static_cast<int64_t>(p) * kScoreCols; }
   uint16_t* weight_row(int p) { return s.tile_p.data() + static_cast<int64_t>(p) * kChunk; }
   const uint16_t* query_row(int p) const { return s.tile_q.data() + static_cast<int64_t>(p) * pr.D; }
@@ -148,6 +152,49 @@ void pack_values(Chunk& c, const uint16_t* vpool, const int64_t* off, int h, int
       ahead.ask(c, vpool, off, 2 * i + 1, 32 * x);
       _mm512_storeu_si512(dst + (2 * x) * kTileElems + i * 32, _mm512_permutex2var_epi16(va, lo, vb));
       _mm512_storeu_si512(dst + (2 * x + 1) * kTileElems + i * 32, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
+
+// The K blocks and V slabs of [jlo, jhi) of a tile-packed pool (packed_layout.h), read
+// where they lie: a block or slab never straddles a page (pages of a multiple of 32). A
+// slab with keys outside [jlo, jhi) is copied instead, those keys' values zeroed: their
+// weights are zero, but their slots may hold NaN (unwritten, freed: invariant 9), and
+// 0 x NaN is NaN on the tiles. K needs no such copy: the softmax masks the scores of
+// keys a row does not see, whatever they hold.
+void place_units(Chunk& c, const uint16_t* kpool, const uint16_t* vpool, const int64_t* off, int heads) {
+  const int D = c.pr.D, ps = c.pr.page_size;
+  // The start of the slice unit of key j (>= jlo, < jhi) of head h lies in: its slot's
+  // row offset in the row layout, less that row's place in the slice, plus the unit's.
+  const auto unit = [&](const uint16_t* pool, int h, int j, int keys) {
+    const int slot = j % ps;
+    return pool + h * c.pr.head_slice() + off[j - c.jlo] - static_cast<int64_t>(slot) * D +
+           static_cast<int64_t>(slot / keys) * keys * D;
+  };
+  const int b0 = (c.jlo - c.c0) / kKeyTile, b1 = (c.jhi - 1 - c.c0) / kKeyTile + 1;
+  const int u0 = (c.jlo - c.c0) / kSlab, u1 = (c.jhi - 1 - c.c0) / kSlab + 1;
+  for (int h = 0; h < heads; ++h) {
+    for (int blk = b0; blk < b1; ++blk)
+      c.s.tile_k_at[h * kBlocks + blk] = unit(kpool, h, std::max(c.jlo, c.c0 + blk * kKeyTile), kKeyTile);
+    for (int u = u0; u < u1; ++u) {
+      const int j0 = c.c0 + u * kSlab;
+      const uint16_t* src = unit(vpool, h, std::max(c.jlo, j0), kSlab);
+      if (j0 >= c.jlo && j0 + kSlab <= c.jhi) {
+        c.s.tile_v_at[h * kSlabs + u] = src;
+        continue;
+      }
+      // Row i of each tile holds keys j0 + 2i (even elements) and j0 + 2i + 1 (odd).
+      uint16_t* dst = c.vtile(h, u);
+      for (int i = 0; i < kSlab / 2; ++i) {
+        const bool even = j0 + 2 * i >= c.jlo && j0 + 2 * i < c.jhi;
+        const bool odd = j0 + 2 * i + 1 >= c.jlo && j0 + 2 * i + 1 < c.jhi;
+        const __mmask32 keep = (even ? 0x55555555u : 0u) | (odd ? 0xAAAAAAAAu : 0u);
+        for (int t = 0; t < c.DT; ++t) {
+          const int64_t at = static_cast<int64_t>(t) * kTileElems + i * 32;
+          _mm512_storeu_si512(dst + at, _mm512_maskz_loadu_epi16(keep, src + at));
+        }
+      }
+      c.s.tile_v_at[h * kSlabs + u] = dst;
     }
   }
 }
@@ -250,8 +297,8 @@ void score_blocks(Chunk& c, const TilePair& t, int blk) {
                             {c.score_row(t.p1) + blk * kKeyTile, c.score_row(t.p1) + (blk + nb - 1) * kKeyTile}};
   with_shape(t.na, nb, [&]<int NA, int NB>() {
     tiles_zero<NA, NB>();
-    tiles_steps<NA, NB>(c.query_row(t.p0), c.query_row(t.p1), c.pr.D * 2, 32, c.ktile(t.h, blk),
-                        c.ktile(t.h, blk + nb - 1), kTileElems, c.S);
+    tiles_steps<NA, NB>(c.query_row(t.p0), c.query_row(t.p1), c.pr.D * 2, 32, c.kunit(t.h, blk),
+                        c.kunit(t.h, blk + nb - 1), kTileElems, c.S);
     tiles_store<NA, NB>(dst, kScoreCols * 4);
   });
 }
@@ -327,9 +374,10 @@ void weigh_tiles(Chunk& c, const TilePair& t, int dt, const int* clo, const int*
   float* const dst[2][2] = {{tmp, tmp + 16}, {tmp + 16 * 32, tmp + 16 * 32 + 16}};
   with_shape(t.na, nb, [&]<int NA, int NB>() {
     tiles_zero<NA, NB>();
-    tiles_steps<NA, NB>(c.weight_row(t.p0) + u0 * kSlab, c.weight_row(t.p1) + u0 * kSlab, kChunk * 2, kSlab,
-                        c.vtile(t.h, u0) + dt * kTileElems, c.vtile(t.h, u0) + (dt + nb - 1) * kTileElems,
-                        static_cast<int64_t>(c.DT) * kTileElems, end_slab(c, t) - u0);
+    for (int u = u0; u < end_slab(c, t); ++u) {  // slab by slab: a packed pool's slabs lie in different pages
+      tiles_steps<NA, NB>(c.weight_row(t.p0) + u * kSlab, c.weight_row(t.p1) + u * kSlab, kChunk * 2, 0,
+                          c.vunit(t.h, u) + dt * kTileElems, c.vunit(t.h, u) + (dt + nb - 1) * kTileElems, 0, 1);
+    }
     tiles_store<NA, NB>(dst, 32 * 4);
   });
   copy_out(c, t, dt, nb, tmp, 32, clo, chi, o);
@@ -401,8 +449,8 @@ void amx_load_queries(const Problem& pr, const uint16_t* q, int b, const int* he
     std::memcpy(s.tile_q.data() + static_cast<int64_t>(p) * D, q + pr.query_offset(b, heads[r], positions[r]),
                 D * sizeof(uint16_t));
   }
-  if (RT > 1) return;
-  // One row tile per head (decode): also Q^T as B tiles for key_scores: tile (h, st),
+  if (RT > 1 || pr.packed) return;
+  // One row tile per head (decode) of a row-layout pool: also Q^T as B tiles for key_scores: tile (h, st),
   // row p, column n holds the d pair (32 st + 2 p, 32 st + 2 p + 1) of row n.
   const int S = D / 32;
   s.tile_qt.assign(static_cast<size_t>(nheads) * S * kTileElems, 0);
@@ -425,6 +473,18 @@ void amx_attend_chunk(const Problem& pr, const uint16_t* kpool, const uint16_t* 
   s.tile_s.resize(padded_rows * kScoreCols);
   s.tile_p.resize(padded_rows * kChunk);
   s.tile_c.resize(2 * 16 * 32);
+  s.tile_k_at.resize(static_cast<size_t>(heads) * kBlocks);
+  s.tile_v_at.resize(static_cast<size_t>(heads) * kSlabs);
+  if (pr.packed) {  // the operands are in the pool already: no walk, no packing
+    place_units(c, kpool, vpool, off, heads);
+    task.reshape(M);
+    attend_pairs(c, heads, clo, chi, ml, o, /*scored=*/false);
+    return;
+  }
+  for (int h = 0; h < heads; ++h) {
+    for (int blk = 0; blk < kBlocks; ++blk) s.tile_k_at[h * kBlocks + blk] = c.ktile(h, blk);
+    for (int u = 0; u < kSlabs; ++u) s.tile_v_at[h * kSlabs + u] = c.vtile(h, u);
+  }
   // Slab by slab, each head's K and V of it: the pool is read in address order.
   const int u0 = (jlo - c.c0) / kSlab, u1 = (jhi - 1 - c.c0) / kSlab + 1;
   // One row tile per head (decode): the scores are taken on this walk, from the pool's K

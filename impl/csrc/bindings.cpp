@@ -19,7 +19,7 @@ NB_MODULE(_kernels, m) {
   m.def("paged_attention", &pagecheck::paged_attention, "query"_a, "key_pages"_a, "value_pages"_a,
         "block_table"_a, "context_lens"_a, "page_size"_a, "scale"_a, "causal"_a, "window"_a,
         "softcap"_a = 0.f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(), "kv_code"_a = 0,
-        "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), nb::kw_only(),
+        "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "packed"_a = false, nb::kw_only(),
         "stream"_a = nb::none(),
         "Unvalidated entry point returning (output, lse); call impl.paged_attention instead.");
   m.def(
@@ -34,8 +34,10 @@ NB_MODULE(_kernels, m) {
       "The metadata's first fault as (rule, request, context, column, page): rule 0 when none, else "
       "1 context_negative, 2 context_short, 3 table_short, 4 page_id (metadata_check.h); "
       "use impl.validation.check_metadata_values instead.");
-  m.def("write_slots", &pagecheck::write_slots, "pages"_a, "rows"_a, "slots"_a, nb::kw_only(),
-        "stream"_a = nb::none(), "Unvalidated in-place slot write; use impl.PagePool instead.");
+  m.def("write_slots", &pagecheck::write_slots, "pages"_a, "rows"_a, "slots"_a, "order"_a = 0, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "Unvalidated in-place slot write (order: 0 rows, 1 / 2 tile-packed keys / values); use impl.PagePool "
+        "instead.");
   m.def("copy_pages", &pagecheck::copy_pages, "pages"_a, "src"_a, "dst"_a, nb::kw_only(),
         "stream"_a = nb::none(), "Unvalidated in-place page copy; use impl.PagePool instead.");
   m.def("quantize_slots", &pagecheck::quantize_slots, "pages"_a, "rows"_a, "slots"_a, "scale"_a, "kv_code"_a,

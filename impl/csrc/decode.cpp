@@ -12,6 +12,7 @@
 // attends its chunks with amx_attend_chunk instead (amx.h), as the prefill does.
 #include "amx.h"
 #include "chunk.h"
+#include "packed_rows.h"
 #include "thread_pool.h"
 
 namespace pagecheck {
@@ -104,8 +105,9 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
       }
     }
     load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), rows, s.q32.data());
-    attend_chunk<KV>(pr, kpool, vpool, s.off.data(), voff, jlo, jhi, s.q32.data(), rows, task.heads,
-                    s.clo.data(), s.chi.data(), s, ml, o);
+    const ChunkRows<KV> kv = rows_of_chunk<KV>(pr, kpool, vpool, voff, jlo, jhi, task.heads, s);
+    attend_chunk<KV>(kv.pr, kv.k, kv.v, kv.off, kv.voff, jlo, jhi, s.q32.data(), rows, task.heads, s.clo.data(),
+                     s.chi.data(), s, ml, o);
   });
 
   parallel_for(static_cast<int64_t>(groups.size()), [&](int64_t gi) {

@@ -71,6 +71,9 @@ struct Problem {
   const int32_t* context_lens;
   bool quantized;             // the pools hold codes (kQuantized): resolve_slots, then the scales
   Scales k_scales, v_scales;  // read only for a quantized pool
+  // The pools' slices are tile-packed (packed_layout.h; bfloat16 only): the tile path
+  // reads its operands from them, the FMA path unpacks each chunk's rows (unpack_chunk).
+  bool packed;
 
   int group() const { return Hq / Hkv; }
   int context(int b) const { return context_lens[b]; }
@@ -222,6 +225,11 @@ struct Scratch {
   // weights, scores and stored accumulators.
   AlignedVector<uint16_t> tile_q, tile_qt, tile_k, tile_v, tile_p;
   AlignedVector<float> tile_s, tile_c;
+  // Where the tile path's K units and V units of a chunk are: in tile_k / tile_v, or in a
+  // tile-packed pool itself ([heads][blocks], [heads][slabs]).
+  std::vector<const uint16_t*> tile_k_at, tile_v_at;
+  // A tile-packed pool's chunk unpacked into rows for the FMA path (packed_rows.h).
+  AlignedVector<uint16_t> unpacked_k, unpacked_v;
   // Never written: the readable stand-ins for the missing keys of a block, per element size.
   AlignedVector<float> zeros;
   AlignedVector<uint16_t> zeros16;

@@ -8,6 +8,7 @@
 #include "huge_pages.h"
 #include "kernel.h"
 #include "kernel_info.h"
+#include "packed_layout.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace pagecheck {
@@ -109,7 +110,8 @@ std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx
                                                 const std::optional<mx::array>& alibi_slopes,
                                                 const std::optional<mx::array>& sinks, int kv_code,
                                                 const std::optional<mx::array>& k_scale,
-                                                const std::optional<mx::array>& v_scale, mx::StreamOrDevice s) {
+                                                const std::optional<mx::array>& v_scale, bool packed,
+                                                mx::StreamOrDevice s) {
   require(query.ndim() == 4, "query must be [B, Hq, L, D]");
   require(key_pages.ndim() == 4, "key_pages must be [P, Hkv, page_size, D]");
   require(value_pages.ndim() == 4 && value_pages.shape(3) >= 1, "value_pages must be [P, Hkv, page_size, Dv]");
@@ -130,6 +132,9 @@ std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx
   require(window >= 0 && std::isfinite(scale), "window must be >= 0 and scale finite");
   require(softcap >= 0.f && std::isfinite(softcap), "softcap must be >= 0 (0: none) and finite");
   const int P = key_pages.shape(0), Hkv = key_pages.shape(1);
+  require(!packed || (dt == mx::bfloat16 && kv_code == kKvQueryDtype && packed_fits(page_size, D) &&
+                      value_pages.shape(3) == D),
+          "packed pools are bfloat16 with page_size and D multiples of 32 and Dv = D");
   for (const auto* v : {&k_scale, &v_scale}) {
     if (!v->has_value()) continue;
     const mx::array& a = **v;
@@ -152,7 +157,8 @@ std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx
   inputs.push_back(row_contiguous(sinks.value_or(no_vector()), stream));
   inputs.push_back(row_contiguous(k_scale.value_or(unit_scale()), stream));
   inputs.push_back(row_contiguous(v_scale.value_or(unit_scale()), stream));
-  auto prim = std::make_shared<PagedAttention>(stream, page_size, scale, causal, window, softcap, kv_code);
+  auto prim = std::make_shared<PagedAttention>(stream, page_size, scale, causal, window, softcap, kv_code,
+                                               packed);
   auto outs = mx::array::make_arrays(prim->output_shapes(inputs), {dt, mx::float32}, prim, std::move(inputs));
   return {outs[0], outs[1]};
 }
@@ -183,7 +189,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
                     slopes = mx::array::unsafe_weak_copy(inputs[5]),
                     sinks = mx::array::unsafe_weak_copy(inputs[6]),
                     k_scale = mx::array::unsafe_weak_copy(inputs[7]),
-                    v_scale = mx::array::unsafe_weak_copy(inputs[8]), kv_code = kv_code_,
+                    v_scale = mx::array::unsafe_weak_copy(inputs[8]), kv_code = kv_code_, packed = packed_,
                     out = mx::array::unsafe_weak_copy(out), lse = mx::array::unsafe_weak_copy(lse_out),
                     page_size = page_size_, scale = scale_, causal = causal_, window = window_,
                     softcap = softcap_]() mutable {
@@ -214,6 +220,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     pr.quantized = kv_code != kKvQueryDtype;
     pr.k_scales = scales_of(k_scale);
     pr.v_scales = scales_of(v_scale);
+    pr.packed = packed;
     switch (q.dtype()) {
       case mx::float32: run_format<F32>(kv_code, pr, q, kp, vp, out); break;
       case mx::bfloat16: run_format<BF16>(kv_code, pr, q, kp, vp, out); break;
@@ -231,7 +238,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const PagedAttention&>(other);
   return page_size_ == o.page_size_ && scale_ == o.scale_ && causal_ == o.causal_ &&
-         window_ == o.window_ && softcap_ == o.softcap_ && kv_code_ == o.kv_code_;
+         window_ == o.window_ && softcap_ == o.softcap_ && kv_code_ == o.kv_code_ && packed_ == o.packed_;
 }
 
 }  // namespace pagecheck

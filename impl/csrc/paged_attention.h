@@ -21,6 +21,8 @@ enum KvCode : int { kKvQueryDtype = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2, kKvInt8 =
 // keys; softcap = 0 means none; alibi_slopes / sinks are float32 [Hq] when given.
 // kv_code (KvCode): the pools' element format; a quantized one (uint8 fp8 bit patterns or
 // int8) takes k_scale / v_scale, float32 [] (tensor), [Hkv] (head) or [P, Hkv, ps] (token).
+// packed: the pools' slices are in the tile-packed order (packed_layout.h; bfloat16
+// pools, page_size and D multiples of 32, Dv = D).
 std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx::array& key_pages,
                                                 const mx::array& value_pages, const mx::array& block_table,
                                                 const mx::array& context_lens, int page_size, float scale,
@@ -30,19 +32,20 @@ std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx
                                                 int kv_code = kKvQueryDtype,
                                                 const std::optional<mx::array>& k_scale = std::nullopt,
                                                 const std::optional<mx::array>& v_scale = std::nullopt,
-                                                mx::StreamOrDevice s = {});
+                                                bool packed = false, mx::StreamOrDevice s = {});
 
 class PagedAttention : public mx::Primitive {
  public:
   PagedAttention(mx::Stream stream, int page_size, float scale, bool causal, int window, float softcap,
-                 int kv_code)
+                 int kv_code, bool packed)
       : mx::Primitive(stream),
         page_size_(page_size),
         scale_(scale),
         causal_(causal),
         window_(window),
         softcap_(softcap),
-        kv_code_(kv_code) {}
+        kv_code_(kv_code),
+        packed_(packed) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -58,6 +61,7 @@ class PagedAttention : public mx::Primitive {
   int window_;
   float softcap_;
   int kv_code_;
+  bool packed_;
 };
 
 }  // namespace pagecheck

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "packed_layout.h"
 #include "paged_attention.h"
 #include "quantize.h"
 
@@ -35,11 +36,17 @@ bool take_over(const mx::array& pool, mx::array& out) {
   return true;
 }
 
+// A row of a 16-bit pool into its packed slice (packed_layout.h): element by element,
+// D scattered 2-byte stores (a decode step writes one row per KV head: negligible).
+void scatter_packed(PageOrder order, int64_t D, int64_t off, const uint16_t* src, uint16_t* slice) {
+  for (int64_t d = 0; d < D; ++d) slice[packed_index(order, off, d, D)] = src[d];
+}
+
 // `pool` is [P, Hkv, ps, D] with rows [T, Hkv, D], or token scales [P, Hkv, ps] with
-// rows [T, Hkv] (a row of one element).
-void write_rows(mx::array& pool, const mx::array& rows, const mx::array& slots) {
+// rows [T, Hkv] (a row of one element); `order` as write_slots.
+void write_rows(mx::array& pool, const mx::array& rows, const mx::array& slots, PageOrder order) {
   const int64_t P = pool.shape(0), Hkv = pool.shape(1), ps = pool.shape(2);
-  const int64_t row = (pool.ndim() == 4 ? pool.shape(3) : 1) * pool.itemsize();
+  const int64_t D = pool.ndim() == 4 ? pool.shape(3) : 1, row = D * pool.itemsize();
   const int64_t* slot = slots.data<int64_t>();
   const char* src = rows.data<char>();
   char* dst = pool.data<char>();
@@ -49,7 +56,12 @@ void write_rows(mx::array& pool, const mx::array& rows, const mx::array& slots) 
     if (slot[t] < 0 || slot[t] >= P * ps) continue;
     const int64_t page = slot[t] / ps, off = slot[t] % ps;
     for (int64_t h = 0; h < Hkv; ++h) {
-      std::memcpy(dst + ((page * Hkv + h) * ps + off) * row, src + (t * Hkv + h) * row, row);
+      if (order == kRowOrder) {
+        std::memcpy(dst + ((page * Hkv + h) * ps + off) * row, src + (t * Hkv + h) * row, row);
+      } else {
+        scatter_packed(order, D, off, reinterpret_cast<const uint16_t*>(src + (t * Hkv + h) * row),
+                       reinterpret_cast<uint16_t*>(dst + (page * Hkv + h) * ps * row));
+      }
     }
   }
 }
@@ -130,9 +142,10 @@ void copy_whole_pages(mx::array& pool, const mx::array& src, const mx::array& ds
   }
 }
 
-mx::array make(mx::Stream stream, PoolUpdate::Kind kind, std::vector<mx::array> inputs, int kv_code = 0) {
+mx::array make(mx::Stream stream, PoolUpdate::Kind kind, std::vector<mx::array> inputs, int kv_code = 0,
+               int order = kRowOrder) {
   const auto& pool = inputs[0];
-  return mx::array(pool.shape(), pool.dtype(), std::make_shared<PoolUpdate>(stream, kind, kv_code),
+  return mx::array(pool.shape(), pool.dtype(), std::make_shared<PoolUpdate>(stream, kind, kv_code, order),
                    std::move(inputs));
 }
 
@@ -140,7 +153,7 @@ mx::array make(mx::Stream stream, PoolUpdate::Kind kind, std::vector<mx::array> 
 
 int64_t pool_copies() { return g_pool_copies.load(std::memory_order_relaxed); }
 
-mx::array write_slots(const mx::array& pages, const mx::array& rows, const mx::array& slots,
+mx::array write_slots(const mx::array& pages, const mx::array& rows, const mx::array& slots, int order,
                       mx::StreamOrDevice s) {
   const char* fn = "write_slots";
   require(pages.ndim() == 4, fn, "pages must be [P, Hkv, page_size, D]");
@@ -149,11 +162,15 @@ mx::array write_slots(const mx::array& pages, const mx::array& rows, const mx::a
   require(rows.dtype() == pages.dtype(), fn, "rows must have the pool's dtype");
   require(slots.ndim() == 1 && slots.dtype() == mx::int64 && slots.shape(0) == rows.shape(0), fn,
           "slots must be int64 [T]");
+  require(order >= kRowOrder && order <= kPackedValueOrder, fn, "order must be 0 (rows), 1 (packed keys) or 2 "
+          "(packed values)");
+  require(order == kRowOrder || (pages.itemsize() == 2 && packed_fits(pages.shape(2), pages.shape(3))), fn,
+          "a packed pool holds 16-bit elements with page_size and D multiples of 32");
   auto stream = mx::to_stream(s);
   // The pool goes in as it is: wrapping it (mx::contiguous) would add a reference and
   // defeat donation. take_over() rejects a non-contiguous pool instead.
   return make(stream, PoolUpdate::Kind::WriteSlots,
-              {pages, mx::contiguous(rows, false, stream), mx::contiguous(slots, false, stream)});
+              {pages, mx::contiguous(rows, false, stream), mx::contiguous(slots, false, stream)}, 0, order);
 }
 
 mx::array copy_pages(const mx::array& pages, const mx::array& src, const mx::array& dst,
@@ -220,14 +237,14 @@ void PoolUpdate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   encoder.set_output_array(out);
   // Quantizing writes carry a fourth input (the scales); the others have three.
   const auto& scale = inputs.size() > 3 ? inputs[3] : inputs[0];
-  encoder.dispatch([kind = kind_, kv_code = kv_code_, copy, pool = mx::array::unsafe_weak_copy(inputs[0]),
+  encoder.dispatch([kind = kind_, kv_code = kv_code_, order = static_cast<PageOrder>(order_), copy, pool = mx::array::unsafe_weak_copy(inputs[0]),
                     a = mx::array::unsafe_weak_copy(inputs[1]),
                     b = mx::array::unsafe_weak_copy(inputs[2]),
                     sc = mx::array::unsafe_weak_copy(scale),
                     out = mx::array::unsafe_weak_copy(out)]() mutable {
     if (copy) std::memcpy(out.data<char>(), pool.data<char>(), pool.nbytes());
     switch (kind) {
-      case Kind::WriteSlots: write_rows(out, a, b); break;
+      case Kind::WriteSlots: write_rows(out, a, b, order); break;
       case Kind::CopyPages: copy_whole_pages(out, a, b); break;
       case Kind::QuantizeSlots: quantize_rows_as(kv_code, out, a, b, sc); break;
     }

@@ -25,8 +25,9 @@ namespace mx = mlx::core;
 // Writes rows[t] ([T, Hkv, D]) into position slots[t] (int64 [T], slot = page *
 // page_size + offset) of every KV head of `pages` ([P, Hkv, page_size, D]). Slots
 // outside the pool are skipped: the Python layer rejects them first, this only keeps
-// memory safe.
-mx::array write_slots(const mx::array& pages, const mx::array& rows, const mx::array& slots,
+// memory safe. order (packed_layout.h PageOrder): rows, or a 16-bit pool's tile-packed
+// key or value slices (page_size and D multiples of 32).
+mx::array write_slots(const mx::array& pages, const mx::array& rows, const mx::array& slots, int order = 0,
                       mx::StreamOrDevice s = {});
 
 // Copies whole pages src[i] -> dst[i] (int32 [n]): the copy of copy-on-write. `pages` is
@@ -57,8 +58,9 @@ int64_t pool_copies();
 class PoolUpdate : public mx::UnaryPrimitive {
  public:
   enum class Kind { WriteSlots, CopyPages, QuantizeSlots };
-  PoolUpdate(mx::Stream stream, Kind kind, int kv_code = 0)
-      : mx::UnaryPrimitive(stream), kind_(kind), kv_code_(kv_code) {}
+  // kv_code: a quantizing write's codes; order: a plain write's page order (packed_layout.h).
+  PoolUpdate(mx::Stream stream, Kind kind, int kv_code = 0, int order = 0)
+      : mx::UnaryPrimitive(stream), kind_(kind), kv_code_(kv_code), order_(order) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -69,7 +71,7 @@ class PoolUpdate : public mx::UnaryPrimitive {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PoolUpdate&>(other);
-    return kind_ == o.kind_ && kv_code_ == o.kv_code_;
+    return kind_ == o.kind_ && kv_code_ == o.kv_code_ && order_ == o.order_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
@@ -78,6 +80,7 @@ class PoolUpdate : public mx::UnaryPrimitive {
  private:
   Kind kind_;
   int kv_code_;
+  int order_;
 };
 
 // row_scales as a primitive: reads the rows, writes a fresh [T, Hkv] float32 array.

@@ -12,6 +12,7 @@
 
 #include "amx.h"
 #include "chunk.h"
+#include "packed_rows.h"
 #include "thread_pool.h"
 
 namespace pagecheck {
@@ -85,8 +86,10 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename KV::T
         }
       }
       if (!amx) {
-        attend_chunk<KV>(pr, kpool, vpool, s.off.data(), voff, jlo, jhi, s.q32.data(), R, 1, s.clo.data(),
-                        s.chi.data(), s, s.chunk_ml.data(), s.chunk_o.data(), /*values_by_group=*/true);
+        const ChunkRows<KV> kv = rows_of_chunk<KV>(pr, kpool, vpool, voff, jlo, jhi, 1, s);
+        attend_chunk<KV>(kv.pr, kv.k, kv.v, kv.off, kv.voff, jlo, jhi, s.q32.data(), R, 1, s.clo.data(),
+                         s.chi.data(), s, s.chunk_ml.data(), s.chunk_o.data(),
+                         /*values_by_group=*/true);
       }
       for (int r = 0; r < R; ++r) {
         merge_state(s.acc_ml[2 * r], s.acc_ml[2 * r + 1], s.acc_o.data() + static_cast<int64_t>(r) * Dv,

@@ -136,7 +136,8 @@ Batch make_batch(const Shape& s, uint32_t seed) {
 mx::array attend(const Shape& s, const Batch& x, mx::StreamOrDevice stream = {}) {
   return pagecheck::paged_attention(x.q, x.kp, x.vp, x.table, x.lens, s.page_size,
                                     1.f / std::sqrt(static_cast<float>(s.D)), s.causal, s.window,
-                                    0.f, std::nullopt, std::nullopt, s.kv_code, x.k_scale, x.v_scale, stream)
+                                    0.f, std::nullopt, std::nullopt, s.kv_code, x.k_scale, x.v_scale,
+                                    /*packed=*/false, stream)
       .first;
 }
 
