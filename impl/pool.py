@@ -206,8 +206,8 @@ class PagePool:
         ids = slots.device
         if self.kv_dtype is None:
             for arrays, rows, order in ((self._keys, keys, self._orders[0]), (self._values, values, self._orders[1])):
-                self._replace(arrays, layer, lambda pages, r, o=order: _kernels.write_slots(
-                    pages, r, ids, o, stream=KERNEL_STREAM), rows)
+                write = lambda pages, r, o=order: _kernels.write_slots(pages, r, ids, o, stream=KERNEL_STREAM)  # noqa: E731
+                self._replace(arrays, layer, write, rows)
             return
         self._quantize(self._keys, self._k_scales, layer, ids, keys)
         self._quantize(self._values, self._v_scales, layer, ids, values)
