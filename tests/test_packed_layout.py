@@ -8,6 +8,7 @@ without packing.
 | ... and meet the tolerance against the oracles, read through the converter | test_packed_pages_meet_the_tolerance      |
 | a packed pool's writes put every element where the layout's definition says (whole pool state, every layer, poisoned frees) | test_pool_writes_the_packed_order |
 | the serving path reads a packed pool through its kv_options               | test_serving_batch_reads_a_packed_pool      |
+| the conformance catalog passes on packed pages (impl.packed's plug-in)    | test_packed_plugin_passes_the_catalog       |
 | bad layouts are specific errors, nothing computed or written              | test_bad_layouts_are_rejected, test_bad_packed_pools_are_rejected |
 """
 
@@ -222,3 +223,21 @@ def test_bad_packed_pools_are_rejected(change, why):
     with pytest.raises(ServingError, match=why) as err:
         _pool(**{"layout": "amx_packed", **change})
     assert err.value.clause == "kv_layout"
+
+
+def test_packed_plugin_passes_the_catalog(tmp_path):
+    """impl.packed's plug-in: the catalog's checks on bfloat16 pages of multiples of 32,
+    converted to amx_packed, judged by the oracles on the row pools; nothing fails, and
+    the hand fixtures, the differential cases, the hypothesis layouts (drawn from the
+    declaration) and the edges run. (test_invariants and test_rejections fix float32
+    shapes of small pages: they skip for this declaration; the bit checks above hold the
+    packed pages to the row layout's bits instead.)"""
+    from tests.test_plugin import run_catalog
+
+    files = ["tests/test_hand_fixtures.py", "tests/test_differential.py", "tests/test_properties.py",
+             "tests/test_edges.py"]
+    proc, record = run_catalog("impl.packed:paged_attention_amx_packed", tmp_path, files)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert record["capabilities"]["layout"] == "amx_packed" and record["counts"]["passed"] >= 50, record["counts"]
+    ran = {c["id"].split("::")[0] for c in record["checks"] if c["outcome"] == "passed"}
+    assert set(files) <= ran, ran
