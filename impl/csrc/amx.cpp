@@ -12,7 +12,9 @@
 // Tile registers: C tiles tmm0-3 (row tile i, column tile j in tmm 2i + j), A tiles
 // tmm4-5 (row tiles), B tiles tmm6-7. Rows of a KV head are padded to whole row tiles
 // of M rows (padded(h, n)); padding rows hold zeros and are never copied out. The walk
-// reads the pool slab by slab, each slab's heads in turn: in address order.
+// reads the pool slab by slab, each slab's heads in turn: in address order. A tile-packed
+// pool (packed_layout.h) needs no walk: its K blocks and V slabs are the B tiles already
+// (place_units), and a decode scores them like a prefill.
 #include "amx.h"
 
 #include <algorithm>

@@ -18,8 +18,11 @@
 // both are deterministic. A tile element (row, column) depends only on that row and
 // column, and the same products in the same order give the same bits whichever operand
 // is A: a prefill computes S = Q K^T, a decode S^T = K Q^T from the pool's rows, and
-// they agree. A row may run slabs after its own last one (zero weights): o + 0 = o,
-// since the tiles flush subnormal results and o is zero or normal.
+// they agree. A tile-packed pool (packed_layout.h) holds K and V already as the B tiles
+// pack_keys / pack_values make: both schedules read them in place and score S = Q K^T
+// (the same bits again: the same operands, in the same order). A row may run slabs
+// after its own last one (zero weights): o + 0 = o, since the tiles flush subnormal
+// results and o is zero or normal.
 //
 // Off: with $PAGECHECK_AMX=0 at load time, set_amx(false), on a CPU or kernel without
 // AMX, for a head dim that is not a multiple of 32, or when Dv != Dk. Soft-cap, ALiBi,
