@@ -166,8 +166,9 @@ void pack_values(Chunk& c, const uint16_t* vpool, const int64_t* off, int h, int
 // keys a row does not see, whatever they hold.
 void place_units(Chunk& c, const uint16_t* kpool, const uint16_t* vpool, const int64_t* off, int heads) {
   const int D = c.pr.D, ps = c.pr.page_size;
-  // The start of the slice unit of key j (>= jlo, < jhi) of head h lies in: its slot's
-  // row offset in the row layout, less that row's place in the slice, plus the unit's.
+  // Where the unit of `keys` keys holding key j (jlo <= j < jhi) of head h starts: the
+  // slice's start (j's row offset in the row layout less the row's place in the slice)
+  // plus the units before it.
   const auto unit = [&](const uint16_t* pool, int h, int j, int keys) {
     const int slot = j % ps;
     return pool + h * c.pr.head_slice() + off[j - c.jlo] - static_cast<int64_t>(slot) * D +
@@ -452,8 +453,9 @@ void amx_load_queries(const Problem& pr, const uint16_t* q, int b, const int* he
                 D * sizeof(uint16_t));
   }
   if (RT > 1 || pr.packed) return;
-  // One row tile per head (decode) of a row-layout pool: also Q^T as B tiles for key_scores: tile (h, st),
-  // row p, column n holds the d pair (32 st + 2 p, 32 st + 2 p + 1) of row n.
+  // One row tile per head (decode) over a row-layout pool: also Q^T as B tiles for
+  // key_scores: tile (h, st), row p, column n holds the d pair (32 st + 2 p, 32 st + 2 p
+  // + 1) of row n.
   const int S = D / 32;
   s.tile_qt.assign(static_cast<size_t>(nheads) * S * kTileElems, 0);
   for (int r = 0; r < rows; ++r) {
