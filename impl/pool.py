@@ -63,7 +63,7 @@ from .allocator import PageAllocator, PoolStats
 from .attention import KV_CODES
 from .errors import ServingError
 from .runtime import KERNEL_STREAM
-from .validation import _dtype_name
+from .validation import PACKED_MULTIPLE, _dtype_name
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _CODE_DTYPES = {"uint8": mx.uint8, "int8": mx.int8}
@@ -302,9 +302,6 @@ class PagePool:
             if refs > 1:
                 raise ServingError("shared_write", f"page {p} is shared by {refs} holders; copy it before writing")
         return arr
-
-
-PACKED_MULTIPLE = 32  # an amx_packed slice: whole 32-key V slabs, whole 32-element d steps
 
 
 def _check_layout(layout, dtype, kv_dtype, page_size: int, head_dim: int) -> str | None:

@@ -25,6 +25,7 @@ from impl.errors import ContractViolation, ServingError
 from impl.pool import PagePool
 from impl.validation import PagedMetadata
 from oracles.compare import compare
+from tests.bitwise import result_bits
 from tests.format_impls import _packed_key_index, _packed_value_index
 from tests.tile_path import tile_path
 
@@ -66,10 +67,6 @@ def run_packed(case):
                                              kv_layout="amx_packed", **case.kwargs())
     mx.eval(out)
     return out
-
-
-def result_bits(out):
-    return tuple(bits(x) for x in (out if isinstance(out, tuple) else (out,)))
 
 
 @pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "fma"])
