@@ -211,20 +211,32 @@ def test_freed_pages_poisoned_only_when_free(poison):
         assert all(np.isnan(x).all() for x in page0) == poison
 
 
-def _huge_page_kib(array: mx.array) -> int:
-    """AnonHugePages (KiB) of the mapping holding the first 2 MiB boundary inside `array`."""
+def _mapping(array: mx.array) -> dict:
+    """The /proc/self/smaps fields of the mapping holding the first 2 MiB boundary inside
+    `array` (AnonHugePages in KiB, VmFlags as its words; {} when none holds it)."""
     start = np.asarray(array).ctypes.data
     inside = -(-start // (2 << 20)) * (2 << 20)
-    found = None
+    fields, found = {}, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             head = line.split()[0]
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                if found:
+                    break
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 found = lo <= inside < hi
-            elif found and head == "AnonHugePages:":
-                return int(line.split()[1])
-    return 0
+            elif found:
+                fields[head.rstrip(":")] = line.split()[1:]
+    return fields
+
+
+def _advised(array: mx.array) -> bool:
+    """Whether the mapping carries MADV_HUGEPAGE (smaps VmFlags `hg`)."""
+    return "hg" in _mapping(array).get("VmFlags", [])
+
+
+def _huge_page_kib(array: mx.array) -> int:
+    return int(_mapping(array).get("AnonHugePages", ["0"])[0])
 
 
 def _collapses() -> bool:
@@ -237,17 +249,30 @@ def _collapses() -> bool:
 
 @pytest.mark.skipif(not _collapses(), reason="this system does not move buffers onto 2 MiB pages on request")
 def test_large_pool_sits_on_huge_pages_and_writes_keep_it_there():
-    """Storage of several 2 MiB pages is moved onto them at construction (a decode jumps
-    between scattered pages; each jump on 4 KiB pages is a page walk), values unchanged."""
+    """Storage of several 2 MiB pages is advised onto them at construction (a decode jumps
+    between scattered pages; each jump on 4 KiB pages is a page walk), values unchanged,
+    and in-place writes keep the buffer (so the advice and the huge pages) where it is.
+
+    The advice (VmFlags `hg`) is the pool's to give and is asserted always. Whether Linux
+    finds free 2 MiB pages at that moment is not: a CI run after a long, fragmenting job
+    had its collapse refused while an earlier probe's went through. So the residency
+    checks run on a collapse this test asks for itself and Linux grants now."""
     pool = make_pool(num_layers=1, kv_heads=8, head_dim=128, page_size=16, num_pages=128)  # 8 MiB a layer
     pool.allocate(2)
-    assert _huge_page_kib(pool.keys(0)) >= 2048 and _huge_page_kib(pool.values(0)) >= 2048
+    layers = (pool.keys(0), pool.values(0))
+    assert all(_advised(x) for x in layers)
+    granted = all(pagecheck_kernels.huge_pages(x) for x in layers)
+    if granted:
+        assert all(_huge_page_kib(x) >= 2048 for x in layers)
     assert np.isnan(np.array(pool.keys(0))).all() and np.isnan(np.array(pool.values(0))).all()
     # No reference to a layer may outlive the checks: the write would copy it (see
     # test_writes_stay_in_place), and the copy is a fresh buffer on 4 KiB pages.
+    del layers
     copies = pool_copies()
     pool.write(0, [0, 17], pool_rows(pool, 2), pool_rows(pool, 2, seed=1))
     mx.eval(pool.keys(0), pool.values(0))
     assert pool_copies() == copies
-    assert _huge_page_kib(pool.keys(0)) >= 2048 and _huge_page_kib(pool.values(0)) >= 2048
+    assert _advised(pool.keys(0)) and _advised(pool.values(0))
+    if granted:
+        assert _huge_page_kib(pool.keys(0)) >= 2048 and _huge_page_kib(pool.values(0)) >= 2048
     assert (np.array(pool.keys(0))[0, :, 0] == np.array(pool_rows(pool, 1))[0]).all()
