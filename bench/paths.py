@@ -2,8 +2,9 @@
 
 | path           | what one call does (timed)                                            |
 |----------------|-----------------------------------------------------------------------|
-| `paged`        | ours: `paged_attention_with_metadata` (metadata validated once, as in serving) |
-| `paged_packed` | the same on the same pages in the tile-packed order (`kv_layout="amx_packed"`, converted once per pool, not timed) |
+| `paged`        | ours: `paged_attention_with_metadata` (metadata validated once, as in serving), a lazy node evaluated |
+| `paged_now`    | the same call through `paged_attention_now`: computed in the calling thread, as vLLM's op runs (no hand-off to MLX's stream thread) |
+| `paged_packed` | `paged_now` on the same pages in the tile-packed order (`kv_layout="amx_packed"`, converted once per pool, not timed) |
 | `paged_fp8`, `paged_int8` | the same on quantized pages of the same shape (grid.KV_PATHS: format and scale granularity) |
 | `dense_gather` | gather through the block table, then dense MLX attention (`oracles.dense`) |
 | `mlx_sdpa`     | `mx.fast.scaled_dot_product_attention` on K/V gathered beforehand      |
@@ -167,8 +168,10 @@ def varlen(outputs) -> mx.array:
     return mx.concatenate([o.transpose(0, 2, 1, 3).reshape(-1, o.shape[1], o.shape[3]) for o in outputs])
 
 
-def _paged(case, rows=None, kv_layout=None):
-    """One call per run of requests with the same query length (one call unless mixed)."""
+def _paged(case, rows=None, kv_layout=None, entry=None):
+    """One call per run of requests with the same query length (one call unless mixed),
+    through `entry` (default: the lazy paged_attention_with_metadata)."""
+    entry = entry or impl.paged_attention_with_metadata
     calls = []
     for _, part in by_query_length(case, rows):
         meta = impl.PagedMetadata.build(part.block_table, part.context_lens, page_size=part.page_size,
@@ -176,9 +179,8 @@ def _paged(case, rows=None, kv_layout=None):
         calls.append((part, meta))
 
     def run():
-        outs = [impl.paged_attention_with_metadata(c.query, c.key_pages, c.value_pages, meta, mask=c.mask,
-                                                   kv_dtype=c.kv_dtype, k_scale=c.k_scale, v_scale=c.v_scale,
-                                                   kv_layout=kv_layout)
+        outs = [entry(c.query, c.key_pages, c.value_pages, meta, mask=c.mask, kv_dtype=c.kv_dtype, k_scale=c.k_scale,
+                      v_scale=c.v_scale, kv_layout=kv_layout)
                 for c, meta in calls]
         mx.eval(*outs)
         return outs[0] if rows is None else outs
@@ -297,11 +299,15 @@ def _vllm_cpu(case, rows=None):
     return run
 
 
+def _paged_now(case, rows=None):
+    return _paged(case, rows, entry=impl.paged_attention_now)
+
+
 def _paged_packed(case, rows=None):
-    return _paged(case, rows, kv_layout="amx_packed")
+    return _paged(case, rows, kv_layout="amx_packed", entry=impl.paged_attention_now)
 
 
-MAKERS = {"paged": _paged, "paged_packed": _paged_packed, "paged_fp8": _paged, "paged_int8": _paged, "dense_gather": _dense_gather,
+MAKERS = {"paged": _paged, "paged_now": _paged_now, "paged_packed": _paged_packed, "paged_fp8": _paged, "paged_int8": _paged, "dense_gather": _dense_gather,
           "mlx_sdpa": _mlx_sdpa, "torch_sdpa": _torch_sdpa, "vllm_cpu": _vllm_cpu}
 
 

@@ -105,8 +105,27 @@ def test_paths_agree(request, pools, spec):
         if grid.skip_reason(spec, path) is None and path not in grid.KV_PATHS:
             got = paths.result(paths.make(path, pools.case_for(spec, path), spec.rows))
             np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{path} vs paged at {spec.id}")
-            if path == "paged_packed":  # the same pages in another order: the same bits
-                np.testing.assert_array_equal(got, want, err_msg=f"paged_packed vs paged at {spec.id}")
+            if path in ("paged_now", "paged_packed"):  # the same kernel (and pages, in another order)
+                np.testing.assert_array_equal(got, want, err_msg=f"{path} vs paged at {spec.id}")
+
+
+def test_now_paths_call_the_eager_entry(request, pools, spec, monkeypatch):
+    """paged_now and paged_packed run impl.paged_attention_now (computed in the calling
+    thread), never the lazy entry; paged runs the lazy one (smoke grid only)."""
+    import impl
+
+    if _level(request.config) != "smoke":
+        pytest.skip("checked by the smoke grid (plain pytest)")
+    calls = []
+    for name in ("paged_attention_now", "paged_attention_with_metadata"):
+        real = getattr(impl, name)
+        monkeypatch.setattr(impl, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    for path, entry in (("paged", "paged_attention_with_metadata"), ("paged_now", "paged_attention_now"),
+                        ("paged_packed", "paged_attention_now")):
+        if grid.skip_reason(spec, path) is None:
+            calls.clear()
+            paths.make(path, pools.case_for(spec, path), spec.rows)()
+            assert calls and set(calls) == {entry}, (path, calls)
 
 
 def test_quantized_paths_read_their_codes(request, pools, spec):

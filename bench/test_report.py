@@ -157,13 +157,29 @@ def test_vllm_goals_met_not_met_and_not_measured():
 
 
 def test_vllm_lines_show_both_orders_and_the_metadata():
-    order = {"interleaved_ratio": 1.1, "blocked_ratio": 1.6, "agree": False}
+    order = {"interleaved_ratio": 1.1, "blocked_ratio": 1.6, "agree": False, "path": "paged_now"}
     case = {**_decode("vllm_cpu", 4, 8192, "float32", 2.0), "paged_speedup": 1.6, "order": order,
             "metadata_median_s": 12e-6}
-    lines = report.vllm_lines([case])
-    assert lines[-1].split() == ["decode", "B4", "S8192", "ps16", "float32", "1.60x", "order", "1.10x", "/",
-                                 "1.60x", "DISAGREE", "metadata", "12.0", "us"]
+    lines = report.vllm_lines([case, _decode("paged_now", 4, 8192, "float32", 0.8)])
+    assert lines[-1].split() == ["decode", "B4", "S8192", "ps16", "float32", "1.60x", "now:", "2.50x", "order",
+                                 "(paged_now)", "1.10x", "/", "1.60x", "DISAGREE", "metadata", "12.0", "us"]
     assert "DISAGREE" not in report.vllm_lines([{**case, "order": {**order, "blocked_ratio": 1.15, "agree": True}}])[-1]
+
+
+def test_vllm_goals_judge_the_serving_path():
+    """On each shape the goals take pagecheck's first timed path of SERVING_PATHS: packed
+    pages, else the call computed now, else the lazy call (prefill)."""
+    cases = [_decode("paged", 1, 128, "float32", 2.0), _decode("paged_now", 1, 128, "float32", 1.0),
+             _decode("vllm_cpu", 1, 128, "float32", 0.5),
+             {**_decode("paged", 1, 512, "float32", 4.0), "op": "prefill"},
+             {**_decode("vllm_cpu", 1, 512, "float32", 8.0), "op": "prefill"}]
+    every = {g["goal"]: g for g in goals.evaluate({"cases": cases})}[goals.VLLM_EVERY_GOAL]
+    assert every["measured"] == 0.5 and "worst B1 S128" in every["detail"]
+    assert "there paged_now took 1000.000 ms in the calling thread" in every["detail"]
+    assert "vllm_cpu 500.000 ms" in every["detail"]
+    cases.append(_decode("paged_packed", 1, 128, "float32", 0.2))
+    every = {g["goal"]: g for g in goals.evaluate({"cases": cases})}[goals.VLLM_EVERY_GOAL]
+    assert every["measured"] == 2.0 and "worst B1 S512" in every["detail"]
 
 
 def test_vllm_cpu_is_skipped_with_a_reason_when_its_ops_do_not_load(monkeypatch):

@@ -1,7 +1,7 @@
 """pagecheck's system under test: the paged-attention operator (and, later, the pool,
 cache and scheduler that drive it)."""
 
-from .attention import paged_attention, paged_attention_with_metadata
+from .attention import paged_attention, paged_attention_now, paged_attention_with_metadata
 from .errors import ContractViolation
 from .merge import merge_states
 from .runtime import amx_enabled, amx_supported, num_threads, set_amx, set_num_threads
@@ -15,6 +15,7 @@ __all__ = [
     "PagedMetadata",
     "num_threads",
     "paged_attention",
+    "paged_attention_now",
     "paged_attention_with_metadata",
     "set_amx",
     "set_num_threads",

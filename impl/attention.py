@@ -31,6 +31,8 @@ raises. On Apple silicon the memory is unified, so this costs no copy.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import pagecheck_kernels as _kernels
 
@@ -44,13 +46,17 @@ from .validation import (KernelOptions, PagedMetadata, check_arrays, check_kv_la
 KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
 
 
+# The two ways to run the kernel: a lazy node of the caller's MLX graph (evaluated with
+# it, on MLX's CPU stream thread), or now, in the calling thread, returned evaluated.
+_LAZY = functools.partial(_kernels.paged_attention, stream=KERNEL_STREAM)
+_NOW = _kernels.paged_attention_now
+
+
 def _run(query, key_pages, value_pages, block_table, context_lens, page_size: int, opts: KernelOptions,
-         packed: bool = False):
-    out, lse = _kernels.paged_attention(query, key_pages, value_pages, block_table, context_lens, page_size,
-                                        opts.scale, opts.causal,
-                                        opts.window, opts.softcap, opts.alibi_slopes, opts.sinks,
-                                        KV_CODES[opts.kv_dtype], opts.k_scale, opts.v_scale, packed,
-                                        stream=KERNEL_STREAM)
+         packed: bool = False, entry=_LAZY):
+    out, lse = entry(query, key_pages, value_pages, block_table, context_lens, page_size, opts.scale, opts.causal,
+                     opts.window, opts.softcap, opts.alibi_slopes, opts.sinks, KV_CODES[opts.kv_dtype], opts.k_scale,
+                     opts.v_scale, packed)
     # The kernel always writes the lse beside the output (the same merge makes both);
     # a caller that did not ask gets the output alone, as in the first contract.
     return (out, lse) if opts.return_lse else out
@@ -90,14 +96,38 @@ def paged_attention_with_metadata(query, key_pages, value_pages, metadata: Paged
     matches the batch, query length and pool the metadata was validated for.
     `kv_layout="amx_packed"`: the pools' page slices are in the tile-packed order
     (`PagePool(layout="amx_packed")`, conformance/formats/kv.py; bfloat16, page_size and
-    head dim multiples of 32, Dv = Dk); None: the contract's rows.
+    head dim multiples of 32, Dv = Dk); None: the contract's rows. Returns a lazy
+    output, a node of the caller's graph (`paged_attention_now` computes it at once).
     """
     pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale,
                              v_scale)
+    return _serving_call(query, key_pages, value_pages, metadata, pipeline, kv_layout, _LAZY)
+
+
+def paged_attention_now(query, key_pages, value_pages, metadata: PagedMetadata, *,
+                        scale=None, mask="causal", window=None, softcap=None, alibi_slopes=None, sinks=None,
+                        return_lse=False, kv_dtype=None, k_scale=None, v_scale=None, kv_layout=None):
+    """`paged_attention_with_metadata` computed now: the same arguments, checks and bits,
+    returned evaluated.
+
+    For a caller that evaluates each call anyway (a loop stepping op by op, as vLLM's
+    CPU backend runs): the kernel runs in the calling thread (with the kernels' worker
+    threads), so the output does not wait for a hand-off to MLX's stream thread and back,
+    most of a small call (B 1, S 128: 38 -> 22 us past the checks). Inputs still being
+    computed (a pending pool write, a lazy query) are evaluated first. Inside a model's
+    graph, prefer the lazy entry: this one evaluates its inputs where it is called.
+    """
+    pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale,
+                             v_scale)
+    return _serving_call(query, key_pages, value_pages, metadata, pipeline, kv_layout, _NOW)
+
+
+def _serving_call(query, key_pages, value_pages, metadata: PagedMetadata, pipeline: ScorePipeline, kv_layout,
+                  entry):
     geom = check_arrays(query, key_pages, value_pages, metadata.block_table, metadata.context_lens,
-                        metadata.page_size, kv_dtype)
+                        metadata.page_size, pipeline.kv_dtype)
     opts = check_pipeline(geom, pipeline)
     packed = check_kv_layout(geom, kv_layout, query.dtype, opts.kv_dtype)
     metadata.check_matches(geom)
     return _run(query, key_pages, value_pages, metadata.block_table, metadata.context_lens, metadata.page_size,
-                opts, packed)
+                opts, packed, entry)

@@ -16,12 +16,37 @@ using namespace nb::literals;
 
 NB_MODULE(_kernels, m) {
   m.doc() = "pagecheck CPU kernels: paged attention over an MLX page pool";
-  m.def("paged_attention", &pagecheck::paged_attention, "query"_a, "key_pages"_a, "value_pages"_a,
-        "block_table"_a, "context_lens"_a, "page_size"_a, "scale"_a, "causal"_a, "window"_a,
-        "softcap"_a = 0.f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(), "kv_code"_a = 0,
-        "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "packed"_a = false, nb::kw_only(),
-        "stream"_a = nb::none(),
-        "Unvalidated entry point returning (output, lse); call impl.paged_attention instead.");
+  // Both entry points take the same arguments; CallOptions gathers the scalar ones.
+  using Opt = std::optional<mlx::core::array>;
+  m.def(
+      "paged_attention",
+      [](const mlx::core::array& q, const mlx::core::array& kp, const mlx::core::array& vp,
+         const mlx::core::array& bt, const mlx::core::array& cl, int page_size, float scale, bool causal, int window,
+         float softcap, const Opt& slopes, const Opt& sinks, int kv_code, const Opt& k_scale, const Opt& v_scale,
+         bool packed, mlx::core::StreamOrDevice s) {
+        const pagecheck::CallOptions o{page_size, scale, causal, window, softcap, kv_code, packed};
+        return pagecheck::paged_attention(q, kp, vp, bt, cl, o, slopes, sinks, k_scale, v_scale, s);
+      },
+      "query"_a, "key_pages"_a, "value_pages"_a, "block_table"_a, "context_lens"_a, "page_size"_a, "scale"_a,
+      "causal"_a, "window"_a, "softcap"_a = 0.f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(),
+      "kv_code"_a = 0, "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "packed"_a = false, nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Unvalidated entry point returning (output, lse); call impl.paged_attention instead.");
+  m.def(
+      "paged_attention_now",
+      [](const mlx::core::array& q, const mlx::core::array& kp, const mlx::core::array& vp,
+         const mlx::core::array& bt, const mlx::core::array& cl, int page_size, float scale, bool causal, int window,
+         float softcap, const Opt& slopes, const Opt& sinks, int kv_code, const Opt& k_scale, const Opt& v_scale,
+         bool packed) {
+        const pagecheck::CallOptions o{page_size, scale, causal, window, softcap, kv_code, packed};
+        return pagecheck::paged_attention_now(q, kp, vp, bt, cl, o, slopes, sinks, k_scale, v_scale);
+      },
+      "query"_a, "key_pages"_a, "value_pages"_a, "block_table"_a, "context_lens"_a, "page_size"_a, "scale"_a,
+      "causal"_a, "window"_a, "softcap"_a = 0.f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(),
+      "kv_code"_a = 0, "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "packed"_a = false,
+      nb::call_guard<nb::gil_scoped_release>(),
+      "Unvalidated entry point computing (output, lse) now, in the calling thread, returned evaluated; call "
+      "impl.paged_attention_now instead.");
   m.def(
       "check_metadata",
       [](const mlx::core::array& block_table, const mlx::core::array& context_lens, int64_t page_size,

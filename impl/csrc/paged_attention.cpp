@@ -103,23 +103,26 @@ KernelInfo kernel_info() {
   return {kChunk, kLanes, kDecodeMaxL, fused};
 }
 
-std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx::array& key_pages,
-                                                const mx::array& value_pages, const mx::array& block_table,
-                                                const mx::array& context_lens, int page_size, float scale,
-                                                bool causal, int window, float softcap,
-                                                const std::optional<mx::array>& alibi_slopes,
-                                                const std::optional<mx::array>& sinks, int kv_code,
-                                                const std::optional<mx::array>& k_scale,
-                                                const std::optional<mx::array>& v_scale, bool packed,
-                                                mx::StreamOrDevice s) {
+namespace {
+
+// Every input as the primitive and the kernel take them, in order: query, key_pages,
+// value_pages, block_table, context_lens, alibi_slopes, sinks, k_scale, v_scale (the
+// absent ones as constants). Checks what memory safety needs first.
+std::vector<mx::array> checked_inputs(const mx::array& query, const mx::array& key_pages,
+                                      const mx::array& value_pages, const mx::array& block_table,
+                                      const mx::array& context_lens, const CallOptions& o,
+                                      const std::optional<mx::array>& alibi_slopes,
+                                      const std::optional<mx::array>& sinks,
+                                      const std::optional<mx::array>& k_scale,
+                                      const std::optional<mx::array>& v_scale) {
   require(query.ndim() == 4, "query must be [B, Hq, L, D]");
   require(key_pages.ndim() == 4, "key_pages must be [P, Hkv, page_size, D]");
   require(value_pages.ndim() == 4 && value_pages.shape(3) >= 1, "value_pages must be [P, Hkv, page_size, Dv]");
   for (int i = 0; i < 3; ++i) require(value_pages.shape(i) == key_pages.shape(i), "value_pages must match key_pages but for Dv");
   const mx::Dtype dt = query.dtype();
   require(dt == mx::float32 || dt == mx::float16 || dt == mx::bfloat16, "dtype must be f32/f16/bf16");
-  require(kv_code >= kKvQueryDtype && kv_code <= kKvInt8, "kv_code must be 0 (query dtype), 1 (e4m3), 2 (e5m2) or 3 (int8)");
-  const mx::Dtype pool_dt = kv_code == kKvQueryDtype ? dt : kv_code == kKvInt8 ? mx::int8 : mx::uint8;
+  require(o.kv_code >= kKvQueryDtype && o.kv_code <= kKvInt8, "kv_code must be 0 (query dtype), 1 (e4m3), 2 (e5m2) or 3 (int8)");
+  const mx::Dtype pool_dt = o.kv_code == kKvQueryDtype ? dt : o.kv_code == kKvInt8 ? mx::int8 : mx::uint8;
   require(key_pages.dtype() == pool_dt && value_pages.dtype() == pool_dt,
           "pools must have the query's dtype, or hold the codes of kv_code (uint8 fp8, int8)");
   require(block_table.ndim() == 2 && block_table.dtype() == mx::int32, "block_table must be int32 [B, max_pages]");
@@ -128,105 +131,153 @@ std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx
   require(block_table.shape(0) == B && context_lens.shape(0) == B, "metadata batch size differs from query");
   require(key_pages.shape(1) >= 1 && Hq % key_pages.shape(1) == 0, "Hq must be a multiple of Hkv");
   require(key_pages.shape(3) == D && D >= 1, "head dim differs between query and pools");
-  require(page_size >= 1 && key_pages.shape(2) == page_size, "page_size differs from the pool");
-  require(window >= 0 && std::isfinite(scale), "window must be >= 0 and scale finite");
-  require(softcap >= 0.f && std::isfinite(softcap), "softcap must be >= 0 (0: none) and finite");
+  require(o.page_size >= 1 && key_pages.shape(2) == o.page_size, "page_size differs from the pool");
+  require(o.window >= 0 && std::isfinite(o.scale), "window must be >= 0 and scale finite");
+  require(o.softcap >= 0.f && std::isfinite(o.softcap), "softcap must be >= 0 (0: none) and finite");
   const int P = key_pages.shape(0), Hkv = key_pages.shape(1);
-  require(!packed || (dt == mx::bfloat16 && kv_code == kKvQueryDtype && packed_fits(page_size, D) &&
-                      value_pages.shape(3) == D),
+  require(!o.packed || (dt == mx::bfloat16 && o.kv_code == kKvQueryDtype && packed_fits(o.page_size, D) &&
+                        value_pages.shape(3) == D),
           "packed pools are bfloat16 with page_size and D multiples of 32 and Dv = D");
   for (const auto* v : {&k_scale, &v_scale}) {
     if (!v->has_value()) continue;
     const mx::array& a = **v;
     const bool shaped = a.ndim() == 0 || (a.ndim() == 1 && a.shape(0) == Hkv) ||
-                        (a.ndim() == 3 && a.shape(0) == P && a.shape(1) == Hkv && a.shape(2) == page_size);
-    require(kv_code != kKvQueryDtype && a.dtype() == mx::float32 && shaped,
+                        (a.ndim() == 3 && a.shape(0) == P && a.shape(1) == Hkv && a.shape(2) == o.page_size);
+    require(o.kv_code != kKvQueryDtype && a.dtype() == mx::float32 && shaped,
             "k_scale and v_scale go with a kv_code, float32 [], [Hkv] or [P, Hkv, page_size]");
   }
   for (const auto* v : {&alibi_slopes, &sinks}) {
     require(!v->has_value() || ((*v)->dtype() == mx::float32 && (*v)->ndim() == 1 && (*v)->shape(0) == Hq),
             "alibi_slopes and sinks must be float32 [Hq]");
   }
+  return {query, key_pages, value_pages, block_table, context_lens, alibi_slopes.value_or(no_vector()),
+          sinks.value_or(no_vector()), k_scale.value_or(unit_scale()), v_scale.value_or(unit_scale())};
+}
 
-  auto stream = mx::to_stream(s);
-  std::vector<mx::array> inputs;
-  for (const auto* a : {&query, &key_pages, &value_pages, &block_table, &context_lens}) {
-    inputs.push_back(row_contiguous(*a, stream));
+// Output and lse buffers of a call, allocated. MLX's CPU allocator gives buffers of 32
+// MiB and more back to the system when they are freed, so each call faults its output in
+// anew: 8192 faults of 4 KiB for a causal f32 prefill at L 2048 (127 ms a call), 16 of 2
+// MiB once advised (123 ms).
+void allocate(mx::array& out, mx::array& lse) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  lse.set_data(mx::allocator::malloc(lse.nbytes()));
+  huge_pages(out.data<void>(), out.nbytes(), /*now=*/false);
+}
+
+// An evaluated array of `shape` on a fresh buffer (its values are the caller's to write).
+mx::array fresh(const mx::Shape& shape, mx::Dtype dtype) {
+  size_t bytes = mx::size_of(dtype);
+  for (const auto d : shape) bytes *= static_cast<size_t>(d);
+  return mx::array(mx::allocator::malloc(bytes), shape, dtype);
+}
+
+// The call itself on inputs in checked_inputs' order, all computed and row-contiguous.
+void attend(const CallOptions& o, const std::vector<mx::array>& in, mx::array& out, mx::array& lse) {
+  if (lse.size() == 0) return;  // B, Hq or L is 0 (a Dv of 0 is rejected)
+  const mx::array &q = in[0], &kp = in[1], &vp = in[2], &bt = in[3], &cl = in[4];
+  const mx::array &slopes = in[5], &sinks = in[6], &k_scale = in[7], &v_scale = in[8];
+  Problem pr{};
+  pr.B = q.shape(0);
+  pr.Hq = q.shape(1);
+  pr.L = q.shape(2);
+  pr.D = q.shape(3);
+  pr.Dv = vp.shape(3);
+  pr.P = kp.shape(0);
+  pr.Hkv = kp.shape(1);
+  pr.page_size = o.page_size;
+  pr.max_pages = bt.shape(1);
+  pr.slopes = slopes.size() > 0 ? slopes.data<float>() : nullptr;
+  pr.sinks = sinks.size() > 0 ? sinks.data<float>() : nullptr;
+  pr.softcap = o.softcap;
+  pr.scale = o.scale;
+  pr.logits = o.softcap > 0.f || pr.slopes != nullptr || pr.sinks != nullptr;
+  pr.score_sign = pr.logits || o.scale >= 0.f ? 1.f : -1.f;
+  pr.qk_scale = pr.logits ? kLog2e : std::fabs(o.scale) * kLog2e;
+  pr.lse_scale = pr.logits ? 1.f : std::fabs(o.scale);
+  pr.lse = lse.data<float>();
+  pr.causal = o.causal;
+  pr.window = o.window;
+  pr.block_table = bt.data<int32_t>();
+  pr.context_lens = cl.data<int32_t>();
+  pr.quantized = o.kv_code != kKvQueryDtype;
+  pr.k_scales = scales_of(k_scale);
+  pr.v_scales = scales_of(v_scale);
+  pr.packed = o.packed;
+  switch (q.dtype()) {
+    case mx::float32: run_format<F32>(o.kv_code, pr, q, kp, vp, out); break;
+    case mx::bfloat16: run_format<BF16>(o.kv_code, pr, q, kp, vp, out); break;
+    default: run_format<F16>(o.kv_code, pr, q, kp, vp, out); break;
   }
-  inputs.push_back(row_contiguous(alibi_slopes.value_or(no_vector()), stream));
-  inputs.push_back(row_contiguous(sinks.value_or(no_vector()), stream));
-  inputs.push_back(row_contiguous(k_scale.value_or(unit_scale()), stream));
-  inputs.push_back(row_contiguous(v_scale.value_or(unit_scale()), stream));
-  auto prim = std::make_shared<PagedAttention>(stream, page_size, scale, causal, window, softcap, kv_code,
-                                               packed);
-  auto outs = mx::array::make_arrays(prim->output_shapes(inputs), {dt, mx::float32}, prim, std::move(inputs));
+}
+
+std::vector<mx::Shape> shapes_out(const std::vector<mx::array>& inputs) {
+  const mx::Shape& q = inputs[0].shape();
+  return {{q[0], q[1], q[2], inputs[2].shape(3)}, {q[0], q[1], q[2]}};
+}
+
+}  // namespace
+
+std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx::array& key_pages,
+                                                const mx::array& value_pages, const mx::array& block_table,
+                                                const mx::array& context_lens, const CallOptions& options,
+                                                const std::optional<mx::array>& alibi_slopes,
+                                                const std::optional<mx::array>& sinks,
+                                                const std::optional<mx::array>& k_scale,
+                                                const std::optional<mx::array>& v_scale, mx::StreamOrDevice s) {
+  auto inputs = checked_inputs(query, key_pages, value_pages, block_table, context_lens, options, alibi_slopes,
+                               sinks, k_scale, v_scale);
+  auto stream = mx::to_stream(s);
+  for (auto& a : inputs) a = row_contiguous(a, stream);
+  auto prim = std::make_shared<PagedAttention>(stream, options);
+  auto outs = mx::array::make_arrays(shapes_out(inputs), {query.dtype(), mx::float32}, prim, std::move(inputs));
   return {outs[0], outs[1]};
 }
 
+std::pair<mx::array, mx::array> paged_attention_now(const mx::array& query, const mx::array& key_pages,
+                                                    const mx::array& value_pages, const mx::array& block_table,
+                                                    const mx::array& context_lens, const CallOptions& options,
+                                                    const std::optional<mx::array>& alibi_slopes,
+                                                    const std::optional<mx::array>& sinks,
+                                                    const std::optional<mx::array>& k_scale,
+                                                    const std::optional<mx::array>& v_scale) {
+  auto inputs = checked_inputs(query, key_pages, value_pages, block_table, context_lens, options, alibi_slopes,
+                               sinks, k_scale, v_scale);
+  // Wait only for inputs still being computed (a pool write or a query projection on the
+  // stream); then copy the few that are not row-contiguous, as the lazy call would.
+  std::vector<mx::array> pending;
+  for (const auto& a : inputs) {
+    if (!a.is_available()) pending.push_back(a);
+  }
+  if (!pending.empty()) mx::eval(pending);
+  pending.clear();
+  for (auto& a : inputs) {
+    if (!a.flags().row_contiguous) pending.push_back(a = mx::contiguous(a, false, mx::Device::cpu));
+  }
+  if (!pending.empty()) mx::eval(pending);
+  const auto shapes = shapes_out(inputs);
+  mx::array out = fresh(shapes[0], query.dtype()), lse = fresh(shapes[1], mx::float32);
+  huge_pages(out.data<void>(), out.nbytes(), /*now=*/false);
+  attend(options, inputs, out, lse);
+  return {out, lse};
+}
+
 std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array>& inputs) {
-  const mx::Shape& q = inputs[0].shape();
-  return {{q[0], q[1], q[2], inputs[2].shape(3)}, {q[0], q[1], q[2]}};
+  return shapes_out(inputs);
 }
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   mx::array& lse_out = outputs[1];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  lse_out.set_data(mx::allocator::malloc(lse_out.nbytes()));
-  // MLX's CPU allocator gives buffers of 32 MiB and more back to the system when they are
-  // freed, so each call faults its output in anew: 8192 faults of 4 KiB for a causal f32
-  // prefill at L 2048 (127 ms a call), 16 of 2 MiB once advised (123 ms).
-  huge_pages(out.data<void>(), out.nbytes(), /*now=*/false);
+  allocate(out, lse_out);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   encoder.set_output_array(lse_out);
-  encoder.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
-                    kp = mx::array::unsafe_weak_copy(inputs[1]),
-                    vp = mx::array::unsafe_weak_copy(inputs[2]),
-                    bt = mx::array::unsafe_weak_copy(inputs[3]),
-                    cl = mx::array::unsafe_weak_copy(inputs[4]),
-                    slopes = mx::array::unsafe_weak_copy(inputs[5]),
-                    sinks = mx::array::unsafe_weak_copy(inputs[6]),
-                    k_scale = mx::array::unsafe_weak_copy(inputs[7]),
-                    v_scale = mx::array::unsafe_weak_copy(inputs[8]), kv_code = kv_code_, packed = packed_,
-                    out = mx::array::unsafe_weak_copy(out), lse = mx::array::unsafe_weak_copy(lse_out),
-                    page_size = page_size_, scale = scale_, causal = causal_, window = window_,
-                    softcap = softcap_]() mutable {
-    if (lse.size() == 0) return;  // B, Hq or L is 0 (a Dv of 0 is rejected)
-    Problem pr{};
-    pr.B = q.shape(0);
-    pr.Hq = q.shape(1);
-    pr.L = q.shape(2);
-    pr.D = q.shape(3);
-    pr.Dv = vp.shape(3);
-    pr.P = kp.shape(0);
-    pr.Hkv = kp.shape(1);
-    pr.page_size = page_size;
-    pr.max_pages = bt.shape(1);
-    pr.slopes = slopes.size() > 0 ? slopes.data<float>() : nullptr;
-    pr.sinks = sinks.size() > 0 ? sinks.data<float>() : nullptr;
-    pr.softcap = softcap;
-    pr.scale = scale;
-    pr.logits = softcap > 0.f || pr.slopes != nullptr || pr.sinks != nullptr;
-    pr.score_sign = pr.logits || scale >= 0.f ? 1.f : -1.f;
-    pr.qk_scale = pr.logits ? kLog2e : std::fabs(scale) * kLog2e;
-    pr.lse_scale = pr.logits ? 1.f : std::fabs(scale);
-    pr.lse = lse.data<float>();
-    pr.causal = causal;
-    pr.window = window;
-    pr.block_table = bt.data<int32_t>();
-    pr.context_lens = cl.data<int32_t>();
-    pr.quantized = kv_code != kKvQueryDtype;
-    pr.k_scales = scales_of(k_scale);
-    pr.v_scales = scales_of(v_scale);
-    pr.packed = packed;
-    switch (q.dtype()) {
-      case mx::float32: run_format<F32>(kv_code, pr, q, kp, vp, out); break;
-      case mx::bfloat16: run_format<BF16>(kv_code, pr, q, kp, vp, out); break;
-      default: run_format<F16>(kv_code, pr, q, kp, vp, out); break;
-    }
-  });
+  std::vector<mx::array> in;
+  in.reserve(inputs.size());
+  for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+  encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out),
+                    lse = mx::array::unsafe_weak_copy(lse_out), o = options_]() mutable { attend(o, in, out, lse); });
 }
 
 void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -236,9 +287,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 }
 
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const PagedAttention&>(other);
-  return page_size_ == o.page_size_ && scale_ == o.scale_ && causal_ == o.causal_ &&
-         window_ == o.window_ && softcap_ == o.softcap_ && kv_code_ == o.kv_code_ && packed_ == o.packed_;
+  return options_ == static_cast<const PagedAttention&>(other).options_;
 }
 
 }  // namespace pagecheck

@@ -14,38 +14,51 @@ namespace mx = mlx::core;
 // Pools' element format (impl/attention.py KV_CODES; contract/kv_format.py).
 enum KvCode : int { kKvQueryDtype = 0, kKvFp8E4M3 = 1, kKvFp8E5M2 = 2, kKvInt8 = 3 };
 
+// A call's options besides its arrays (impl/attention.py `_kernel_args`). window = 0
+// means no window; causal = false means every query sees all ctx keys; softcap = 0 means
+// none. kv_code (KvCode): the pools' element format; a quantized one (uint8 fp8 bit
+// patterns or int8) takes k_scale / v_scale, float32 [] (tensor), [Hkv] (head) or
+// [P, Hkv, ps] (token). packed: the pools' slices are in the tile-packed order
+// (packed_layout.h; bfloat16 pools, page_size and D multiples of 32, Dv = D).
+struct CallOptions {
+  int page_size;
+  float scale;
+  bool causal;
+  int window;
+  float softcap;
+  int kv_code;
+  bool packed;
+  bool operator==(const CallOptions&) const = default;
+};
+
 // Builds the lazy (output [B, Hq, L, Dv], lse float32 [B, Hq, L]) pair: both come out of
 // the same merge, so the lse costs no second pass. Checks only what memory safety needs
 // (ranks, shapes, dtypes); the contract's specific errors are raised by the Python layer
-// (impl/). window = 0 means no window; causal = false means every query sees all ctx
-// keys; softcap = 0 means none; alibi_slopes / sinks are float32 [Hq] when given.
-// kv_code (KvCode): the pools' element format; a quantized one (uint8 fp8 bit patterns or
-// int8) takes k_scale / v_scale, float32 [] (tensor), [Hkv] (head) or [P, Hkv, ps] (token).
-// packed: the pools' slices are in the tile-packed order (packed_layout.h; bfloat16
-// pools, page_size and D multiples of 32, Dv = D).
+// (impl/). alibi_slopes / sinks are float32 [Hq] when given.
 std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx::array& key_pages,
                                                 const mx::array& value_pages, const mx::array& block_table,
-                                                const mx::array& context_lens, int page_size, float scale,
-                                                bool causal, int window, float softcap = 0.f,
-                                                const std::optional<mx::array>& alibi_slopes = std::nullopt,
-                                                const std::optional<mx::array>& sinks = std::nullopt,
-                                                int kv_code = kKvQueryDtype,
-                                                const std::optional<mx::array>& k_scale = std::nullopt,
-                                                const std::optional<mx::array>& v_scale = std::nullopt,
-                                                bool packed = false, mx::StreamOrDevice s = {});
+                                                const mx::array& context_lens, const CallOptions& options,
+                                                const std::optional<mx::array>& alibi_slopes,
+                                                const std::optional<mx::array>& sinks,
+                                                const std::optional<mx::array>& k_scale,
+                                                const std::optional<mx::array>& v_scale, mx::StreamOrDevice s);
+
+// The same pair computed now, in the calling thread (and the kernels' workers), and
+// returned evaluated: no graph node, so no hand-off to MLX's stream thread and back (at
+// B 1 S 128 that round trip is most of a call). Inputs not yet computed are evaluated
+// first (that wait is the only stream round trip left). The same checks and bits as
+// paged_attention.
+std::pair<mx::array, mx::array> paged_attention_now(const mx::array& query, const mx::array& key_pages,
+                                                    const mx::array& value_pages, const mx::array& block_table,
+                                                    const mx::array& context_lens, const CallOptions& options,
+                                                    const std::optional<mx::array>& alibi_slopes,
+                                                    const std::optional<mx::array>& sinks,
+                                                    const std::optional<mx::array>& k_scale,
+                                                    const std::optional<mx::array>& v_scale);
 
 class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, int page_size, float scale, bool causal, int window, float softcap,
-                 int kv_code, bool packed)
-      : mx::Primitive(stream),
-        page_size_(page_size),
-        scale_(scale),
-        causal_(causal),
-        window_(window),
-        softcap_(softcap),
-        kv_code_(kv_code),
-        packed_(packed) {}
+  PagedAttention(mx::Stream stream, const CallOptions& options) : mx::Primitive(stream), options_(options) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -55,13 +68,7 @@ class PagedAttention : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
-  int page_size_;
-  float scale_;
-  bool causal_;
-  int window_;
-  float softcap_;
-  int kv_code_;
-  bool packed_;
+  CallOptions options_;
 };
 
 }  // namespace pagecheck
