@@ -31,8 +31,6 @@ raises. On Apple silicon the memory is unified, so this costs no copy.
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 import pagecheck_kernels as _kernels
 
@@ -46,14 +44,18 @@ from .validation import (KernelOptions, PagedMetadata, check_arrays, check_kv_la
 KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
 
 
-# The two ways to run the kernel: a lazy node of the caller's MLX graph (evaluated with
-# it, on MLX's CPU stream thread), or now, in the calling thread, returned evaluated.
-_LAZY = functools.partial(_kernels.paged_attention, stream=KERNEL_STREAM)
-_NOW = _kernels.paged_attention_now
+def _lazy(*args):
+    """The kernel as a node of the caller's MLX graph, run with it on the CPU stream."""
+    return _kernels.paged_attention(*args, stream=KERNEL_STREAM)
+
+
+def _now(*args):
+    """The kernel run now in the calling thread; its outputs come back evaluated."""
+    return _kernels.paged_attention_now(*args)
 
 
 def _run(query, key_pages, value_pages, block_table, context_lens, page_size: int, opts: KernelOptions,
-         packed: bool = False, entry=_LAZY):
+         packed: bool = False, entry=_lazy):
     out, lse = entry(query, key_pages, value_pages, block_table, context_lens, page_size, opts.scale, opts.causal,
                      opts.window, opts.softcap, opts.alibi_slopes, opts.sinks, KV_CODES[opts.kv_dtype], opts.k_scale,
                      opts.v_scale, packed)
@@ -101,7 +103,7 @@ def paged_attention_with_metadata(query, key_pages, value_pages, metadata: Paged
     """
     pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale,
                              v_scale)
-    return _serving_call(query, key_pages, value_pages, metadata, pipeline, kv_layout, _LAZY)
+    return _serving_call(query, key_pages, value_pages, metadata, pipeline, kv_layout, _lazy)
 
 
 def paged_attention_now(query, key_pages, value_pages, metadata: PagedMetadata, *,
@@ -119,7 +121,7 @@ def paged_attention_now(query, key_pages, value_pages, metadata: PagedMetadata, 
     """
     pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale,
                              v_scale)
-    return _serving_call(query, key_pages, value_pages, metadata, pipeline, kv_layout, _NOW)
+    return _serving_call(query, key_pages, value_pages, metadata, pipeline, kv_layout, _now)
 
 
 def _serving_call(query, key_pages, value_pages, metadata: PagedMetadata, pipeline: ScorePipeline, kv_layout,
