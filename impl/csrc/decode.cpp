@@ -10,6 +10,8 @@
 // ascending c, so neither the thread count, the head runs nor the other requests can
 // change the order of any floating-point operation. A bfloat16 call on AMX tiles
 // attends its chunks with amx_attend_chunk instead (amx.h), as the prefill does.
+#include <algorithm>
+
 #include "amx.h"
 #include "chunk.h"
 #include "packed_rows.h"
@@ -37,6 +39,20 @@ int heads_per_task(int64_t chunk_items, int Hkv) {
   const int64_t want = 4 * static_cast<int64_t>(num_threads());
   while (heads > 1 && chunk_items * ((Hkv + heads - 1) / heads) < want) heads = (heads + 1) / 2;
   return heads;
+}
+
+// The rows of a one-chunk request, finished by the chunk's own task: the merge pass
+// would copy its single state unchanged (merge_state; a row that saw no key keeps l = 0,
+// and finish_query_row reads no m then), so this is the merge's arithmetic on the same
+// values.
+template <class E>
+void finish_chunk_rows(const Problem& pr, const ChunkTask& task, const float* ml, float* o, typename E::T* out) {
+  const int L = pr.L, G = pr.group(), R = G * L;
+  for (int i = 0; i < task.heads * R; ++i) {
+    const int r = i % R;  // the task's rows: KV head by KV head, then query head, then position
+    finish_query_row<E>(pr, task.b, (task.g0 + i / R) * G + r / L, r % L, ml[2 * i], ml[2 * i + 1],
+                        o + static_cast<int64_t>(i) * pr.Dv, out);
+  }
 }
 
 }  // namespace
@@ -72,6 +88,10 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
   AlignedVector<float> part_ml(slots * R * 2), part_o(slots * R * Dv);
   // The tiles take bfloat16 pools; a quantized one runs the FMA path.
   const bool tiles = std::is_same_v<E, BF16> && std::is_same_v<KV, BF16> && amx_applies(pr);
+  // When every context fits one chunk, each task finishes its own rows and the merge
+  // pass, a second wake-up and join of every worker, is skipped (B 1 S 128: most of the
+  // kernel's time is these fixed costs).
+  const bool one_chunk = std::all_of(c_count.begin(), c_count.end(), [](int c) { return c == 1; });
 
   parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
     const ChunkTask& task = tasks[t];
@@ -95,20 +115,25 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
     const int64_t* voff = resolve_kv_rows(pr, task.b, task.g0, jlo, jhi, s);
     float* ml = part_ml.data() + task.slot * R * 2;
     float* o = part_o.data() + task.slot * R * Dv;
+    bool attended = false;
     if constexpr (std::is_same_v<E, BF16> && std::is_same_v<KV, BF16>) {
       if (tiles) {
         AmxTask amx(std::min(16, R));
         amx_load_queries(pr, q, task.b, s.heads.data(), s.positions.data(), rows, task.heads, amx, s);
         amx_attend_chunk(pr, kpool, vpool, s.off.data(), jlo, jhi, rows, task.heads, s.clo.data(), s.chi.data(),
                          amx, s, ml, o);
-        return;
+        attended = true;
       }
     }
-    load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), rows, s.q32.data());
-    const ChunkRows<KV> kv = rows_of_chunk<KV>(pr, kpool, vpool, voff, jlo, jhi, task.heads, s);
-    attend_chunk<KV>(kv.pr, kv.k, kv.v, kv.off, kv.voff, jlo, jhi, s.q32.data(), rows, task.heads, s.clo.data(),
-                     s.chi.data(), s, ml, o);
+    if (!attended) {
+      load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), rows, s.q32.data());
+      const ChunkRows<KV> kv = rows_of_chunk<KV>(pr, kpool, vpool, voff, jlo, jhi, task.heads, s);
+      attend_chunk<KV>(kv.pr, kv.k, kv.v, kv.off, kv.voff, jlo, jhi, s.q32.data(), rows, task.heads, s.clo.data(),
+                       s.chi.data(), s, ml, o);
+    }
+    if (one_chunk) finish_chunk_rows<E>(pr, task, ml, o, out);
   });
+  if (one_chunk) return;
 
   parallel_for(static_cast<int64_t>(groups.size()), [&](int64_t gi) {
     const MergeGroup& group = groups[gi];
