@@ -212,7 +212,7 @@ def vllm_lines(cases: list[dict]) -> list[str]:
     if not timed:
         return [f"vllm_cpu: skipped: {rows[0]['skipped']}"] if rows and "skipped" in rows[0] else []
     median_of = {(c["path"], c["op"], c["batch"], c["context"], c["page_size"], c["dtype"]): c["median_s"]
-                 for c in cases if "median_s" in c}
+                 for c in cases if "median_s" in c and "batch" in c}  # write cases have no batch
     lines = ["", "vLLM CPU / pagecheck paged_attention_with_metadata, median (above 1: pagecheck faster), and "
              "against paged_now and packed pages where timed; order check of the serving path against vLLM: "
              f"interleaved / blocked (flagged beyond {timing.ORDER_TOLERANCE:.0%}); vLLM metadata"]
@@ -247,10 +247,10 @@ def main(argv=None) -> int:
                         help="rewrite the results in README.md (or this file) from the report")
     args = parser.parse_args(argv)
     report = run("quick" if args.quick else args.level, log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(table(report))
-    if args.json:
+    if args.json:  # first: a run of many minutes is kept even if a summary below fails
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    print(table(report))
     if args.plot:
         from .plot import plot
         print(plot(report, args.plot))

@@ -160,7 +160,8 @@ def test_vllm_lines_show_both_orders_and_the_metadata():
     order = {"interleaved_ratio": 1.1, "blocked_ratio": 1.6, "agree": False, "path": "paged_now"}
     case = {**_decode("vllm_cpu", 4, 8192, "float32", 2.0), "paged_speedup": 1.6, "order": order,
             "metadata_median_s": 12e-6}
-    lines = report.vllm_lines([case, _decode("paged_now", 4, 8192, "float32", 0.8)])
+    write = {"op": "write", "path": "paged", "tokens": 1, "pool_mib": 64, "median_s": 1e-5}
+    lines = report.vllm_lines([case, _decode("paged_now", 4, 8192, "float32", 0.8), write])
     assert lines[-1].split() == ["decode", "B4", "S8192", "ps16", "float32", "1.60x", "now:", "2.50x", "order",
                                  "(paged_now)", "1.10x", "/", "1.60x", "DISAGREE", "metadata", "12.0", "us"]
     assert "DISAGREE" not in report.vllm_lines([{**case, "order": {**order, "blocked_ratio": 1.15, "agree": True}}])[-1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -28,8 +29,9 @@ FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 F32_MAX = float(np.finfo(np.float32).max)
 
 
-@dataclass(frozen=True)
-class Geometry:
+# Geometry and KernelOptions are made on every call: as NamedTuples (immutable too) they
+# cost 0.25 us each to build, a frozen dataclass 0.9 us.
+class Geometry(NamedTuple):
     """Sizes read off the arrays: batch, heads, query length, head dims, pool."""
 
     batch: int
@@ -143,8 +145,7 @@ def check_options(head_dim: int, scale, mask, window) -> tuple[float, bool, int]
     return scale, causal, window
 
 
-@dataclass(frozen=True)
-class KernelOptions:
+class KernelOptions(NamedTuple):
     """A checked `ScorePipeline` as the kernel takes it: 0 / None mean "off"."""
 
     scale: float
