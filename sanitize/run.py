@@ -17,8 +17,9 @@ fuzz  The asan build; runs tests/test_fuzz_boundary.py for --seconds (default 60
 tsan  Configures -DPAGECHECK_SANITIZE=thread -DPAGECHECK_BUILD_TESTS=ON into
       build/sanitize-tsan, builds the standalone driver impl/csrc/tests/thread_driver.cpp
       (the kernel sources + the driver only, no nanobind) and runs it through ctest: worker
-      counts 1-8 bit for bit, two MLX streams at once, concurrent parallel_for callers
-      racing a resize, the in-place write path.
+      counts 1-8 bit for bit, two MLX streams at once, eager calls (paged_attention_now)
+      from two threads beside a stream, concurrent parallel_for callers racing a resize,
+      the in-place write path.
       Not through Python. TSan preloaded into the interpreter with a TSan-built module
       does run the catalog, but libmlx is not instrumented: the reference counts of MLX's
       shared buffers are atomics TSan cannot see, so when the main thread drops the last
@@ -79,6 +80,12 @@ ASAN_TESTS = [
     "tests/test_quantize_codes.py",
     "tests/test_cache.py",
     "tests/test_edges.py",
+    # the eager entry: lazy inputs waited for, views copied, outputs allocated by it (its
+    # catalog run, a child process of the whole catalog, is left to the plain suite)
+    "tests/test_now.py::test_now_gives_the_lazy_bits",
+    "tests/test_now.py::test_now_waits_for_lazy_inputs",
+    "tests/test_now.py::test_now_reads_views_by_value",
+    "tests/test_now.py::test_now_output_pins_no_pool",
     "tests/test_fuzz_boundary.py",  # its fixed, derandomized examples (a few seconds)
 ]
 FUZZ_TESTS = ["tests/test_fuzz_boundary.py"]

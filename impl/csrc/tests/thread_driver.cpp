@@ -16,8 +16,10 @@
 //   3. concurrent callers of parallel_for (and a resize racing them): every item of every
 //      loop runs exactly once.
 //   4. the write path: write_slots into a donated pool, then the kernel reads it back.
+//   5. the eager entry (paged_attention_now) from two threads at once beside a lazy call on
+//      a stream thread: every output equals the 1-worker bytes.
 //
-// Usage: thread_driver [rounds]   (default 1; each round repeats checks 1-3)
+// Usage: thread_driver [rounds]   (default 1; each round repeats checks 1-3 and 5)
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -133,11 +135,21 @@ Batch make_batch(const Shape& s, uint32_t seed) {
   return out;
 }
 
+pagecheck::CallOptions options(const Shape& s) {
+  return {s.page_size, 1.f / std::sqrt(static_cast<float>(s.D)), s.causal, s.window, 0.f, s.kv_code,
+          /*packed=*/false};
+}
+
 mx::array attend(const Shape& s, const Batch& x, mx::StreamOrDevice stream = {}) {
-  return pagecheck::paged_attention(x.q, x.kp, x.vp, x.table, x.lens, s.page_size,
-                                    1.f / std::sqrt(static_cast<float>(s.D)), s.causal, s.window,
-                                    0.f, std::nullopt, std::nullopt, s.kv_code, x.k_scale, x.v_scale,
-                                    /*packed=*/false, stream)
+  return pagecheck::paged_attention(x.q, x.kp, x.vp, x.table, x.lens, options(s), std::nullopt, std::nullopt,
+                                    x.k_scale, x.v_scale, stream)
+      .first;
+}
+
+// The eager entry: computed in the calling thread, returned evaluated.
+mx::array attend_now(const Shape& s, const Batch& x) {
+  return pagecheck::paged_attention_now(x.q, x.kp, x.vp, x.table, x.lens, options(s), std::nullopt, std::nullopt,
+                                        x.k_scale, x.v_scale)
       .first;
 }
 
@@ -217,6 +229,27 @@ void check_two_streams(const std::vector<Shape>& all, const std::vector<Batch>& 
   }
 }
 
+// Eager calls from two threads at once while a lazy call runs on a stream thread: the three
+// callers share the worker pool, and each gives the 1-worker bytes.
+void check_now_beside_streams(const std::vector<Shape>& all, const std::vector<Batch>& batches,
+                              const std::vector<std::vector<uint8_t>>& reference) {
+  pagecheck::set_num_threads(3);
+  const mx::Stream stream = mx::new_stream(mx::Device::cpu);
+  for (size_t i = 0; i + 2 < all.size(); i += 3) {
+    std::vector<uint8_t> first, second;
+    std::thread a([&] { first = bytes(attend_now(all[i], batches[i])); });
+    std::thread b([&] { second = bytes(attend_now(all[i + 1], batches[i + 1])); });
+    mx::array lazy = attend(all[i + 2], batches[i + 2], stream);
+    mx::eval(lazy);
+    a.join();
+    b.join();
+    if (first != reference[i] || second != reference[i + 1] || bytes(lazy) != reference[i + 2]) {
+      fail(std::string(all[i].name) + "/" + all[i + 1].name + "/" + all[i + 2].name +
+           ": eager calls beside a stream differ from 1 worker");
+    }
+  }
+}
+
 void check_concurrent_callers() {
   pagecheck::set_num_threads(4);
   constexpr int kCallers = 3, kLoops = 20, kItems = 97;
@@ -287,6 +320,7 @@ int main(int argc, char** argv) {
   for (int round = 0; round < rounds; ++round) {
     check_thread_invariance(all, batches, reference);
     check_two_streams(all, batches, reference);
+    check_now_beside_streams(all, batches, reference);
     check_concurrent_callers();
   }
   check_write_path();
@@ -294,7 +328,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "thread_driver: %d failure(s)\n", g_failures);
     return 1;
   }
-  std::printf("thread_driver: %zu shapes x workers {1,2,3,4,8}, two streams, concurrent callers, "
-              "write path: OK\n", all.size());
+  std::printf("thread_driver: %zu shapes x workers {1,2,3,4,8}, two streams, eager calls beside a stream, "
+              "concurrent callers, write path: OK\n", all.size());
   return 0;
 }
