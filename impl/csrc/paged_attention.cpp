@@ -154,21 +154,21 @@ std::vector<mx::array> checked_inputs(const mx::array& query, const mx::array& k
           sinks.value_or(no_vector()), k_scale.value_or(unit_scale()), v_scale.value_or(unit_scale())};
 }
 
-// Output and lse buffers of a call, allocated. MLX's CPU allocator gives buffers of 32
-// MiB and more back to the system when they are freed, so each call faults its output in
-// anew: 8192 faults of 4 KiB for a causal f32 prefill at L 2048 (127 ms a call), 16 of 2
-// MiB once advised (123 ms).
-void allocate(mx::array& out, mx::array& lse) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  lse.set_data(mx::allocator::malloc(lse.nbytes()));
-  huge_pages(out.data<void>(), out.nbytes(), /*now=*/false);
+// The buffer of one of a call's outputs. MLX's CPU allocator gives buffers of 32 MiB and
+// more back to the system when they are freed, so each call faults its output in anew:
+// 8192 faults of 4 KiB for a causal f32 prefill at L 2048 (127 ms a call), 16 of 2 MiB
+// once the attention output is advised onto them (`advise`; 123 ms).
+mx::allocator::Data output_buffer(size_t bytes, bool advise) {
+  mx::allocator::Data data = mx::allocator::malloc(bytes);
+  if (advise) huge_pages(data.buffer().raw_ptr(), bytes, /*now=*/false);
+  return data;
 }
 
-// An evaluated array of `shape` on a fresh buffer (its values are the caller's to write).
-mx::array fresh(const mx::Shape& shape, mx::Dtype dtype) {
+// An evaluated array of `shape` on such a buffer (its values are the caller's to write).
+mx::array fresh(const mx::Shape& shape, mx::Dtype dtype, bool advise) {
   size_t bytes = mx::size_of(dtype);
   for (const auto d : shape) bytes *= static_cast<size_t>(d);
-  return mx::array(mx::allocator::malloc(bytes), shape, dtype);
+  return mx::array(output_buffer(bytes, advise), shape, dtype);
 }
 
 // The call itself on inputs in checked_inputs' order, all computed and row-contiguous.
@@ -255,8 +255,7 @@ std::pair<mx::array, mx::array> paged_attention_now(const mx::array& query, cons
   }
   if (!pending.empty()) mx::eval(pending);
   const auto shapes = shapes_out(inputs);
-  mx::array out = fresh(shapes[0], query.dtype()), lse = fresh(shapes[1], mx::float32);
-  huge_pages(out.data<void>(), out.nbytes(), /*now=*/false);
+  mx::array out = fresh(shapes[0], query.dtype(), true), lse = fresh(shapes[1], mx::float32, false);
   attend(options, inputs, out, lse);
   return {out, lse};
 }
@@ -268,7 +267,8 @@ std::vector<mx::Shape> PagedAttention::output_shapes(const std::vector<mx::array
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   mx::array& lse_out = outputs[1];
-  allocate(out, lse_out);
+  out.set_data(output_buffer(out.nbytes(), true));
+  lse_out.set_data(output_buffer(lse_out.nbytes(), false));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
