@@ -1,7 +1,8 @@
 """`python -m mutants.mutmut_run`: mutmut 3 over the Python serving core, in a scratch copy.
 
     python -m mutants.mutmut_run [--json PATH] [--max-children N] [--keep]
-                                 [--only-mutate GLOB ...] [MUTANT_NAME_OR_GLOB ...]
+                                 [--only-mutate GLOB ...] [--tests PATH ...]
+                                 [MUTANT_NAME_OR_GLOB ...]
 
 mutmut writes its work dir `mutants/` at the project root, which is this package (the
 seeded-mutant catalog), so it never runs in the checkout: the runner copies the tree
@@ -20,7 +21,10 @@ and the recorded equivalents; the exit status is 0 when it is >= 90%.
 
 `--only-mutate` narrows `only_mutate` in the copy's config (a trial on one file);
 mutant names (or globs) run just those mutants, and the verdict then counts only them
-(CI's smoke run: `.ci/run`).
+(CI's smoke run: `.ci/run`). `--tests` narrows the test selection mutmut runs (its stats
+and clean runs each take the whole selection, about 60 s, one process); the configured
+selection then runs once in the copy under xdist first, so a copy where it would fail
+(a test that cannot collect or pass without this package) still fails the run.
 """
 
 from __future__ import annotations
@@ -68,9 +72,41 @@ def make_copy(base: Path, only_mutate: list[str] | None) -> Path:
     return tree
 
 
-def run_mutmut(tree: Path, max_children: int, names: list[str]) -> int:
+def _mutmut_config(tree: Path) -> dict:
+    return tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["mutmut"]
+
+
+def check_copy(tree: Path, workers: int) -> str | None:
+    """The configured test selection, run in the copy as mutmut's clean run would (its
+    extra pytest arguments, no PYTHONPATH), spread over `workers` xdist processes. Returns
+    the last lines of the output when it fails, else None."""
+    config = _mutmut_config(tree)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
+           *config["pytest_add_cli_args"], *config["pytest_add_cli_args_test_selection"]]
+    proc = subprocess.run(cmd, cwd=tree, env=_env(), capture_output=True, text=True)
+    return None if proc.returncode == 0 else "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+
+
+def narrow_tests(tree: Path, tests: list[str]) -> None:
+    """mutmut runs only `tests` (the configured marker expression kept)."""
+    config = tree / "pyproject.toml"
+    selection = _mutmut_config(tree)["pytest_add_cli_args_test_selection"]
+    marker = selection[selection.index("-m"):selection.index("-m") + 2] if "-m" in selection else []
+    line = "pytest_add_cli_args_test_selection = " + json.dumps([*tests, *marker])
+    text, n = re.subn(r"(?m)^pytest_add_cli_args_test_selection = \[.*\]$", lambda _: line, config.read_text())
+    if n != 1:
+        raise SystemExit("pyproject.toml: no single-line pytest_add_cli_args_test_selection in [tool.mutmut]")
+    config.write_text(text)
+
+
+def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYPOTHESIS_PROFILE")}
     env.update(PAGECHECK_NUM_THREADS="1", HYPOTHESIS_PROFILE="ci")
+    return env
+
+
+def run_mutmut(tree: Path, max_children: int, names: list[str]) -> int:
+    env = _env()
     cmd = MUTMUT + ["run", "--max-children", str(max_children), *names]
     print(f"$ cd {tree} && mutmut run --max-children {max_children} {' '.join(names)}", file=sys.stderr)
     return subprocess.run(cmd, cwd=tree, env=env, stdout=sys.stderr).returncode
@@ -233,6 +269,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-children", type=int, default=2, help="parallel mutant workers (default 2)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
     parser.add_argument("--only-mutate", nargs="+", metavar="GLOB", help="narrow [tool.mutmut] only_mutate")
+    parser.add_argument("--tests", nargs="+", metavar="PATH",
+                        help="narrow the tests mutmut runs (the whole selection is checked once in the copy first)")
     parser.add_argument("--smoke", action="store_true",
                         help="with MUTANT names: pass only if every one is killed (a timeout fails: these are "
                              "mutants that fail in seconds, so a timeout means the run itself is broken)")
@@ -245,6 +283,13 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     try:
         tree = make_copy(base, args.only_mutate)
+        if args.tests:
+            failed = check_copy(tree, args.max_children)
+            if failed:
+                print(f"the test selection fails in mutmut's copy (mutmut's clean run would):\n{failed}",
+                      file=sys.stderr)
+                return 2
+            narrow_tests(tree, args.tests)
         rc = run_mutmut(tree, args.max_children, args.names)
         if rc:
             print(f"mutmut run failed (exit {rc})", file=sys.stderr)

@@ -73,3 +73,44 @@ def test_mutmut_leaves_out_every_test_of_the_mutants_package():
                  if re.search(r"^\s*(from|import) mutants\b", p.read_text(), re.M)]
     assert importing, "no test imports the mutants package: the check reads nothing"
     assert [f for f in importing if not any(fnmatch.fnmatch(f, g) for g in ignored)] == []
+
+
+MUTMUT_CONFIG = """[tool.mutmut]
+only_mutate = ["impl/allocator.py"]
+pytest_add_cli_args = ["-p", "no:randomly", "--ignore-glob=tests/test_mutant_*.py"]
+pytest_add_cli_args_test_selection = ["tests", "-m", "correctness and not slow"]
+"""
+
+
+def test_mutmut_tests_narrow_only_the_selection_mutmut_runs(tmp_path):
+    """`--tests` (CI's smoke run) narrows the paths mutmut's runs take and keeps the
+    configured marker expression, and nothing else in the config."""
+    from mutants.mutmut_run import narrow_tests
+
+    (tmp_path / "pyproject.toml").write_text(MUTMUT_CONFIG)
+    narrow_tests(tmp_path, ["tests/test_cache.py", "tests/test_pool.py"])
+    config = tomllib.loads((tmp_path / "pyproject.toml").read_text())["tool"]["mutmut"]
+    assert config == {**tomllib.loads(MUTMUT_CONFIG)["tool"]["mutmut"],
+                      "pytest_add_cli_args_test_selection": ["tests/test_cache.py", "tests/test_pool.py",
+                                                             "-m", "correctness and not slow"]}
+
+
+@pytest.mark.parametrize("broken", ["fails", "cannot collect"])
+def test_mutmut_copy_check_runs_the_whole_configured_selection(tmp_path, broken):
+    """Before a narrowed run, the whole configured selection runs once in the copy: a test
+    there that fails, or cannot be collected (the copy has no `mutants` package), fails the
+    check though the narrowed tests pass; tests outside the marker expression are not run."""
+    from mutants.mutmut_run import check_copy
+
+    (tmp_path / "pyproject.toml").write_text(MUTMUT_CONFIG + '\n[tool.pytest.ini_options]\nmarkers = ["correctness", "slow"]\n')
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text("import pytest\n\n@pytest.mark.correctness\ndef test_ok():\n    pass\n\n"
+                                     "@pytest.mark.slow\n@pytest.mark.correctness\ndef test_slow_one():\n"
+                                     "    assert False\n")
+    assert check_copy(tmp_path, 2) is None
+    bad = ("import pytest\n\n@pytest.mark.correctness\ndef test_bad():\n    assert 1 == 2\n" if broken == "fails"
+           else "import no_such_package_here\n")
+    (tests / "test_b.py").write_text(bad)
+    failed = check_copy(tmp_path, 2)
+    assert failed is not None and ("test_bad" if broken == "fails" else "no_such_package_here") in failed
