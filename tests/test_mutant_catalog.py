@@ -114,3 +114,43 @@ def test_mutmut_copy_check_runs_the_whole_configured_selection(tmp_path, broken)
     (tests / "test_b.py").write_text(bad)
     failed = check_copy(tmp_path, 2)
     assert failed is not None and ("test_bad" if broken == "fails" else "no_such_package_here") in failed
+
+
+@pytest.mark.parametrize("pristine_bits", ["pinned", "differ"])
+def test_mutant_build_is_checked_for_the_pinned_bits_before_any_kill(tmp_path, monkeypatch, pristine_bits):
+    """A worker's first C++ build is of the unmutated tree, at the mutant builds'
+    optimization level, and must give the golden bits: were they another build's (a level
+    that changes the arithmetic), every C++ kill would be the build's, not the mutant's."""
+    from mutants import runner
+    from mutants.catalog import Mutant
+
+    worker = runner.Worker(0, tmp_path, [])
+    target = worker.dir / "impl/csrc/kernel.h"
+    target.parent.mkdir(parents=True)
+    target.write_text("int x = 1;\n")
+    seen = []
+
+    def build():
+        seen.append(("build", target.read_text()))
+        worker.configured = True
+        return True, ""
+
+    def pytest_run(args, env):
+        seen.append(("pytest", args[0]))
+        return "tests/test_golden_bits.py::pinned" if args == runner.BITS_CHECK and pristine_bits == "differ" \
+            else "tests/test_x.py::killer" if args[0] == "tests/test_x.py::killer" else None
+
+    monkeypatch.setattr(worker, "_build", build)
+    monkeypatch.setattr(worker, "_pytest", pytest_run)
+    mutant = Mutant("m", "impl/csrc/kernel.h", "x = 1", "x = 2", "b", ("tests/test_x.py::killer",), "t.toml")
+    if pristine_bits == "differ":
+        with pytest.raises(RuntimeError, match="golden_bits"):
+            worker.run(mutant)
+        assert seen == [("build", "int x = 1;\n"), ("pytest", "tests/test_golden_bits.py")]
+    else:
+        assert worker.run(mutant)["status"] == "killed"
+        worker.run(mutant)  # the check runs once per worker
+        assert seen == [("build", "int x = 1;\n"), ("pytest", "tests/test_golden_bits.py"),
+                        ("build", "int x = 2;\n"), ("pytest", "tests/test_x.py::killer"),
+                        ("build", "int x = 2;\n"), ("pytest", "tests/test_x.py::killer")]
+    assert target.read_text() == "int x = 1;\n"
