@@ -14,39 +14,45 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 
+namespace {
+
+using Array = mlx::core::array;
+using Opt = std::optional<Array>;
+
+// Both attention entry points take the same arguments, as Python names them; `call`
+// gets them as the C++ entries do (CallOptions gathers the scalar ones), and `Tail` is
+// what one entry adds at the end (the lazy one's stream).
+template <class... Tail, class Call>
+auto attention_entry(Call call) {
+  return [call](const Array& q, const Array& kp, const Array& vp, const Array& bt, const Array& cl, int page_size,
+                float scale, bool causal, int window, float softcap, const Opt& slopes, const Opt& sinks,
+                int kv_code, const Opt& k_scale, const Opt& v_scale, bool packed, Tail... tail) {
+    const pagecheck::CallOptions o{page_size, scale, causal, window, softcap, kv_code, packed};
+    return call(q, kp, vp, bt, cl, o, slopes, sinks, k_scale, v_scale, tail...);
+  };
+}
+
+template <class Entry, class... Extra>
+void def_attention(nb::module_& m, const char* name, Entry entry, Extra... extra) {
+  m.def(name, entry, "query"_a, "key_pages"_a, "value_pages"_a, "block_table"_a, "context_lens"_a, "page_size"_a,
+        "scale"_a, "causal"_a, "window"_a, "softcap"_a = 0.f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(),
+        "kv_code"_a = 0, "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "packed"_a = false, extra...);
+}
+
+}  // namespace
+
 NB_MODULE(_kernels, m) {
   m.doc() = "pagecheck CPU kernels: paged attention over an MLX page pool";
-  // Both entry points take the same arguments; CallOptions gathers the scalar ones.
-  using Opt = std::optional<mlx::core::array>;
-  m.def(
-      "paged_attention",
-      [](const mlx::core::array& q, const mlx::core::array& kp, const mlx::core::array& vp,
-         const mlx::core::array& bt, const mlx::core::array& cl, int page_size, float scale, bool causal, int window,
-         float softcap, const Opt& slopes, const Opt& sinks, int kv_code, const Opt& k_scale, const Opt& v_scale,
-         bool packed, mlx::core::StreamOrDevice s) {
-        const pagecheck::CallOptions o{page_size, scale, causal, window, softcap, kv_code, packed};
-        return pagecheck::paged_attention(q, kp, vp, bt, cl, o, slopes, sinks, k_scale, v_scale, s);
-      },
-      "query"_a, "key_pages"_a, "value_pages"_a, "block_table"_a, "context_lens"_a, "page_size"_a, "scale"_a,
-      "causal"_a, "window"_a, "softcap"_a = 0.f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(),
-      "kv_code"_a = 0, "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "packed"_a = false, nb::kw_only(),
-      "stream"_a = nb::none(),
-      "Unvalidated entry point returning (output, lse); call impl.paged_attention instead.");
-  m.def(
-      "paged_attention_now",
-      [](const mlx::core::array& q, const mlx::core::array& kp, const mlx::core::array& vp,
-         const mlx::core::array& bt, const mlx::core::array& cl, int page_size, float scale, bool causal, int window,
-         float softcap, const Opt& slopes, const Opt& sinks, int kv_code, const Opt& k_scale, const Opt& v_scale,
-         bool packed) {
-        const pagecheck::CallOptions o{page_size, scale, causal, window, softcap, kv_code, packed};
-        return pagecheck::paged_attention_now(q, kp, vp, bt, cl, o, slopes, sinks, k_scale, v_scale);
-      },
-      "query"_a, "key_pages"_a, "value_pages"_a, "block_table"_a, "context_lens"_a, "page_size"_a, "scale"_a,
-      "causal"_a, "window"_a, "softcap"_a = 0.f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(),
-      "kv_code"_a = 0, "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "packed"_a = false,
-      nb::call_guard<nb::gil_scoped_release>(),
-      "Unvalidated entry point computing (output, lse) now, in the calling thread, returned evaluated; call "
-      "impl.paged_attention_now instead.");
+  def_attention(m, "paged_attention",
+                attention_entry<mlx::core::StreamOrDevice>(
+                    [](const auto&... a) { return pagecheck::paged_attention(a...); }),
+                nb::kw_only(), "stream"_a = nb::none(),
+                "Unvalidated entry point returning (output, lse); call impl.paged_attention instead.");
+  def_attention(m, "paged_attention_now",
+                attention_entry([](const auto&... a) { return pagecheck::paged_attention_now(a...); }),
+                nb::call_guard<nb::gil_scoped_release>(),
+                "Unvalidated entry point computing (output, lse) now, in the calling thread, returned evaluated; "
+                "call impl.paged_attention_now instead.");
   m.def(
       "check_metadata",
       [](const mlx::core::array& block_table, const mlx::core::array& context_lens, int64_t page_size,
