@@ -61,15 +61,20 @@ def make_copy(base: Path, only_mutate: list[str] | None) -> Path:
         (tree / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, tree / f)
     if only_mutate:
-        config = tree / "pyproject.toml"
-        # A function, not a template: json.dumps writes a non-ASCII glob as \uXXXX, which
-        # re would read as a bad escape in a replacement string.
-        line = "only_mutate = " + json.dumps(only_mutate)
-        text, n = re.subn(r"(?m)^only_mutate = \[.*\]$", lambda _: line, config.read_text())
-        if n != 1:
-            raise SystemExit("pyproject.toml: no single-line only_mutate in [tool.mutmut] to narrow")
-        config.write_text(text)
+        _set_config_list(tree, "only_mutate", only_mutate)
     return tree
+
+
+def _set_config_list(tree: Path, key: str, values: list[str]) -> None:
+    """Replace the single-line list `key = [...]` of the copy's [tool.mutmut]."""
+    config = tree / "pyproject.toml"
+    # A function, not a template: json.dumps writes a non-ASCII glob as \uXXXX, which
+    # re would read as a bad escape in a replacement string.
+    line = f"{key} = " + json.dumps(values)
+    text, n = re.subn(rf"(?m)^{key} = \[.*\]$", lambda _: line, config.read_text())
+    if n != 1:
+        raise SystemExit(f"pyproject.toml: no single-line {key} in [tool.mutmut] to narrow")
+    config.write_text(text)
 
 
 def _mutmut_config(tree: Path) -> dict:
@@ -89,14 +94,9 @@ def check_copy(tree: Path, workers: int) -> str | None:
 
 def narrow_tests(tree: Path, tests: list[str]) -> None:
     """mutmut runs only `tests` (the configured marker expression kept)."""
-    config = tree / "pyproject.toml"
     selection = _mutmut_config(tree)["pytest_add_cli_args_test_selection"]
     marker = selection[selection.index("-m"):selection.index("-m") + 2] if "-m" in selection else []
-    line = "pytest_add_cli_args_test_selection = " + json.dumps([*tests, *marker])
-    text, n = re.subn(r"(?m)^pytest_add_cli_args_test_selection = \[.*\]$", lambda _: line, config.read_text())
-    if n != 1:
-        raise SystemExit("pyproject.toml: no single-line pytest_add_cli_args_test_selection in [tool.mutmut]")
-    config.write_text(text)
+    _set_config_list(tree, "pytest_add_cli_args_test_selection", [*tests, *marker])
 
 
 def _env() -> dict:

@@ -74,14 +74,12 @@ class Worker:
         start = time.perf_counter()
         path = self.dir / mutant.file
         pristine = path.read_text()
+        env = self._env(mutant)
+        if mutant.native and not self.configured:
+            self._check_build(env)  # the unmutated tree, once per worker
         path.write_text(mutant.apply(pristine))
         try:
-            env = self._env(mutant)
             if mutant.native:
-                if not self.configured:
-                    path.write_text(pristine)
-                    self._check_build(env)
-                    path.write_text(mutant.apply(pristine))
                 built, log = self._build()
                 if not built:
                     return self._result(mutant, "invalid", f"does not compile: {log[-300:]}", start)
