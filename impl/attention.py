@@ -36,9 +36,10 @@ import pagecheck_kernels as _kernels
 
 from contract import ScorePipeline
 
+from .checked import checked_call
 from .runtime import KERNEL_STREAM
-from .validation import (KernelOptions, PagedMetadata, check_arrays, check_kv_layout, check_metadata_dtype,
-                         check_metadata_values, check_pipeline)
+from .validation import (KernelOptions, PagedMetadata, check_arrays, check_metadata_dtype, check_metadata_values,
+                         check_pipeline)
 
 # kv_dtype -> the kernel's element code (paged_attention.h KvCode)
 KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
@@ -101,9 +102,8 @@ def paged_attention_with_metadata(query, key_pages, value_pages, metadata: Paged
     head dim multiples of 32, Dv = Dk); None: the contract's rows. Returns a lazy
     output, a node of the caller's graph (`paged_attention_now` computes it at once).
     """
-    pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale,
-                             v_scale)
-    return _serving_call(query, key_pages, value_pages, metadata, pipeline, kv_layout, _lazy)
+    options = (scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale, v_scale, kv_layout)
+    return _serving_call(query, key_pages, value_pages, metadata, options, _lazy)
 
 
 def paged_attention_now(query, key_pages, value_pages, metadata: PagedMetadata, *,
@@ -119,17 +119,13 @@ def paged_attention_now(query, key_pages, value_pages, metadata: PagedMetadata, 
     computed (a pending pool write, a lazy query) are evaluated first. Inside a model's
     graph, prefer the lazy entry: this one evaluates its inputs where it is called.
     """
-    pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale,
-                             v_scale)
-    return _serving_call(query, key_pages, value_pages, metadata, pipeline, kv_layout, _now)
+    options = (scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale, v_scale, kv_layout)
+    return _serving_call(query, key_pages, value_pages, metadata, options, _now)
 
 
-def _serving_call(query, key_pages, value_pages, metadata: PagedMetadata, pipeline: ScorePipeline, kv_layout,
-                  entry):
-    geom = check_arrays(query, key_pages, value_pages, metadata.block_table, metadata.context_lens,
-                        metadata.page_size, pipeline.kv_dtype)
-    opts = check_pipeline(geom, pipeline)
-    packed = check_kv_layout(geom, kv_layout, query.dtype, opts.kv_dtype)
-    metadata.check_matches(geom)
+def _serving_call(query, key_pages, value_pages, metadata: PagedMetadata, options: tuple, entry):
+    """options: the ScorePipeline's fields in order, then kv_layout; checked, or the
+    checks remembered from an earlier call of the same signature (impl/checked.py)."""
+    checked = checked_call(query, key_pages, value_pages, metadata, options)
     return _run(query, key_pages, value_pages, metadata.block_table, metadata.context_lens, metadata.page_size,
-                opts, packed, entry)
+                checked.opts, checked.packed, entry)

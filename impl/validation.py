@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -315,6 +315,8 @@ class PagedMetadata:
     page_size: int
     num_pages: int
     query_len: int
+    # signature -> the checks' result of a call that passed with this metadata (impl/checked.py)
+    checked: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def batch(self) -> int:

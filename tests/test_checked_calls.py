@@ -1,0 +1,168 @@
+"""The serving call's checks remembered on its `PagedMetadata` (impl/checked.py): a call
+with the signature of one that passed skips them, and must get exactly what running them
+would give.
+
+| what must hold                                                                   | test                                        |
+|----------------------------------------------------------------------------------|---------------------------------------------|
+| a repeated call runs no check; another metadata checks again                      | test_a_repeated_call_is_not_checked_again   |
+| after calls that passed, each variant gets a fresh metadata's verdict: the same error, or the same bits (an array option's values are this call's) | test_remembered_checks_give_the_fresh_verdict |
+| the key tells apart what compares equal (True / 1 / 1.0, 0.0 / -0.0) and leaves out what it cannot state | test_signature_states_what_the_checks_read |
+| the memo holds at most MEMO_LIMIT signatures per metadata                         | test_memo_is_bounded                        |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import impl
+from impl import checked
+from tests.bitwise import result_bits
+from tests.test_now import _call
+
+pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in serving path's remembered checks")]
+
+ENTRIES = {"lazy": impl.paged_attention_with_metadata, "now": impl.paged_attention_now}
+
+
+def _base(name):
+    """(query, pools, metadata, kwargs): an f32 decode with every v2 option as an array or a
+    scalar ("v2"), or int8 pages with token scales ("int8")."""
+    if name == "int8":
+        case, meta, kwargs, pools = _call("decode-int8-token-scales")
+        return case.query, pools, meta, kwargs
+    case, meta, kwargs, pools = _call("decode-f32-gqa-empty-slot")
+    rng = np.random.default_rng(11)
+    kwargs.update(softcap=25.0, return_lse=True, sinks=mx.array(rng.normal(size=4).astype(np.float32)),
+                  alibi_slopes=mx.array(rng.uniform(0.01, 0.2, size=4).astype(np.float32)))
+    return case.query, pools, meta, kwargs
+
+
+def _other_values(x):
+    """An array of x's shape and dtype holding other values."""
+    return mx.array(np.array(x) * 1.5 + 0.25)
+
+
+def _outcome(entry, query, pools, meta, kwargs):
+    """What one call gives: its error (type, clause, message) or its result's bits."""
+    try:
+        out = entry(query, *pools, meta, **kwargs)
+        mx.eval(out)
+    except Exception as err:  # noqa: BLE001 - any error must be the one a fresh metadata gives
+        return ("raised", type(err).__name__, getattr(err, "clause", None), str(err))
+    return ("computed", result_bits(out))
+
+
+# name -> (base, calls made first with the same metadata, the probe); each call a change of
+# the base call: keyword arguments, or "query" / "pools" transforms.
+VARIANTS = {
+    "same call": ("v2", [], {}),
+    "return_lse 1 after True": ("v2", [], dict(return_lse=1)),
+    "scale True after 1": ("v2", [dict(scale=1)], dict(scale=True)),
+    "scale 1.0 after 1": ("v2", [dict(scale=1)], dict(scale=1.0)),
+    "scale -0.0 after 0.0": ("v2", [dict(scale=0.0)], dict(scale=-0.0)),
+    "scale as numpy after float": ("v2", [dict(scale=0.5)], dict(scale=np.float32(0.5))),
+    "window 2.0 after 2": ("v2", [dict(window=2)], dict(window=2.0)),
+    "softcap 0 after 25": ("v2", [], dict(softcap=0.0)),
+    "sinks of other values": ("v2", [], dict(sinks=_other_values)),
+    "alibi of other values": ("v2", [], dict(alibi_slopes=_other_values)),
+    "sinks one longer": ("v2", [], dict(sinks=lambda x: mx.concatenate([x, x[:1]]))),
+    "sinks float16": ("v2", [], dict(sinks=lambda x: x.astype(mx.float16))),
+    "sinks as numpy": ("v2", [], dict(sinks=lambda x: np.array(x))),
+    "no mask": ("v2", [], dict(mask=None)),
+    "packed layout on float32": ("v2", [], dict(kv_layout="amx_packed")),
+    "k_scale without kv_dtype": ("v2", [], dict(k_scale=0.5)),
+    "query bfloat16": ("v2", [], dict(query=lambda q: q.astype(mx.bfloat16))),
+    "query of two rows": ("v2", [], dict(query=lambda q: mx.concatenate([q, q], axis=2))),
+    "query as numpy": ("v2", [], dict(query=np.array)),
+    "pools one page short": ("v2", [], dict(pools=lambda p: tuple(x[:-1] for x in p))),
+    "pools float16": ("v2", [], dict(pools=lambda p: tuple(x.astype(mx.float16) for x in p))),
+    "k_scale of other values": ("int8", [], dict(k_scale=_other_values)),
+    "v_scale of other values": ("int8", [], dict(v_scale=_other_values)),
+    "k_scale per head": ("int8", [], dict(k_scale=lambda x: mx.ones((x.shape[1],), dtype=mx.float32))),
+    "v_scale scalar after scalar": ("int8", [dict(v_scale=0.01)], dict(v_scale=0.02)),
+    "kv_dtype float8 on int8 codes": ("int8", [], dict(kv_dtype="float8_e4m3fn")),
+}
+
+
+def _changed(query, pools, kwargs, change):
+    """The base call with `change` applied (callables map the base's value)."""
+    kwargs = dict(kwargs)
+    for name, value in change.items():
+        if name == "query":
+            query = value(query)
+        elif name == "pools":
+            pools = value(pools)
+        else:
+            kwargs[name] = value(kwargs[name]) if callable(value) else value
+    return query, pools, kwargs
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_remembered_checks_give_the_fresh_verdict(variant, entry):
+    """The base call and the warm-up calls pass with one metadata; then the probe, twice, must
+    give what it gives on a fresh metadata (nothing remembered): the same error, or the
+    same bits. A remembered array option would give the base's bits; a key that took
+    True for 1 would compute what must raise."""
+    base, warm, probe = VARIANTS[variant]
+    call = ENTRIES[entry]
+    query, pools, meta, kwargs = _base(base)
+    for change in [{}, *warm]:
+        q, p, kw = _changed(query, pools, kwargs, change)
+        assert _outcome(call, q, p, meta, kw)[0] == "computed"
+    q, p, kw = _changed(query, pools, kwargs, probe)
+    expected = _outcome(call, q, p, dataclasses.replace(meta), kw)
+    assert _outcome(call, q, p, meta, kw) == expected
+    assert _outcome(call, q, p, meta, kw) == expected
+
+
+def test_a_repeated_call_is_not_checked_again(monkeypatch):
+    """Every layer of a step after the first skips the checks; each metadata (a step)
+    checks its first call."""
+    real, ran = checked.check_call, []
+
+    def counted(*args):
+        ran.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(checked, "check_call", counted)
+    query, pools, meta, kwargs = _base("v2")
+    first = result_bits(impl.paged_attention_now(query, *pools, meta, **kwargs))
+    for _ in range(3):
+        assert result_bits(impl.paged_attention_now(query, *pools, meta, **kwargs)) == first
+        assert result_bits(impl.paged_attention_with_metadata(query, *pools, meta, **kwargs)) == first
+    assert len(ran) == 1 and len(meta.checked) == 1
+    impl.paged_attention_now(query, *pools, dataclasses.replace(meta), **kwargs)
+    assert len(ran) == 2
+
+
+def test_signature_states_what_the_checks_read():
+    query, pools, meta, kwargs = _base("v2")
+    options = dict.fromkeys(checked.OPTIONS + ("kv_layout",))
+
+    def key(q=query, **change):
+        return checked.signature(q, *pools, tuple({**options, **change}.values()))
+
+    assert key() == key() and key() is not None
+    assert len({key(scale=True), key(scale=1), key(scale=1.0)}) == 3
+    assert len({key(return_lse=True), key(return_lse=1)}) == 2
+    assert key(scale=-0.0) is None and key(scale=0.0) is None and key(scale=0) is not None
+    assert key(sinks=mx.zeros((4,))) == key(sinks=mx.ones((4,)))  # the checks read no values
+    assert key(sinks=mx.zeros((4,))) != key(sinks=mx.zeros((5,))) != key(sinks=mx.zeros((5,), mx.float16))
+    assert key(sinks=np.zeros(4, np.float32)) is None and key(scale=np.float32(0.5)) is None
+    assert key(q=np.array(query)) is None and key(q=query.astype(mx.bfloat16)) != key()
+
+
+def test_memo_is_bounded():
+    query, pools, meta, kwargs = _base("v2")
+    outs = {}
+    for i in range(checked.MEMO_LIMIT + 8):
+        scale = 0.1 + i / 64
+        outs[scale] = result_bits(impl.paged_attention_now(query, *pools, meta, **{**kwargs, "scale": scale}))
+    assert len(meta.checked) == checked.MEMO_LIMIT
+    for scale, bits in outs.items():  # remembered or not, each call gives its own result
+        assert result_bits(impl.paged_attention_now(query, *pools, meta, **{**kwargs, "scale": scale})) == bits
