@@ -20,15 +20,16 @@ using Array = mlx::core::array;
 using Opt = std::optional<Array>;
 
 // Both attention entry points take the same arguments, as Python names them; `call`
-// gets them as the C++ entries do (CallOptions gathers the scalar ones), and `Tail` is
-// what one entry adds at the end (the lazy one's stream).
+// gets them as the C++ entries do (CallArrays gathers the arrays, CallOptions the scalar
+// options), and `Tail` is what one entry adds at the end (the lazy one's stream).
 template <class... Tail, class Call>
 auto attention_entry(Call call) {
   return [call](const Array& q, const Array& kp, const Array& vp, const Array& bt, const Array& cl, int page_size,
                 float scale, bool causal, int window, float softcap, const Opt& slopes, const Opt& sinks,
                 int kv_code, const Opt& k_scale, const Opt& v_scale, bool packed, Tail... tail) {
+    const pagecheck::CallArrays arrays{q, kp, vp, bt, cl, slopes, sinks, k_scale, v_scale};
     const pagecheck::CallOptions o{page_size, scale, causal, window, softcap, kv_code, packed};
-    return call(q, kp, vp, bt, cl, o, slopes, sinks, k_scale, v_scale, tail...);
+    return call(arrays, o, tail...);
   };
 }
 

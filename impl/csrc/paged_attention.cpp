@@ -108,13 +108,9 @@ namespace {
 // Every input as the primitive and the kernel take them, in order: query, key_pages,
 // value_pages, block_table, context_lens, alibi_slopes, sinks, k_scale, v_scale (the
 // absent ones as constants). Checks what memory safety needs first.
-std::vector<mx::array> checked_inputs(const mx::array& query, const mx::array& key_pages,
-                                      const mx::array& value_pages, const mx::array& block_table,
-                                      const mx::array& context_lens, const CallOptions& o,
-                                      const std::optional<mx::array>& alibi_slopes,
-                                      const std::optional<mx::array>& sinks,
-                                      const std::optional<mx::array>& k_scale,
-                                      const std::optional<mx::array>& v_scale) {
+std::vector<mx::array> checked_inputs(const CallArrays& a, const CallOptions& o) {
+  const mx::array &query = a.query, &key_pages = a.key_pages, &value_pages = a.value_pages;
+  const mx::array &block_table = a.block_table, &context_lens = a.context_lens;
   require(query.ndim() == 4, "query must be [B, Hq, L, D]");
   require(key_pages.ndim() == 4, "key_pages must be [P, Hkv, page_size, D]");
   require(value_pages.ndim() == 4 && value_pages.shape(3) >= 1, "value_pages must be [P, Hkv, page_size, Dv]");
@@ -138,7 +134,7 @@ std::vector<mx::array> checked_inputs(const mx::array& query, const mx::array& k
   require(!o.packed || (dt == mx::bfloat16 && o.kv_code == kKvQueryDtype && packed_fits(o.page_size, D) &&
                         value_pages.shape(3) == D),
           "packed pools are bfloat16 with page_size and D multiples of 32 and Dv = D");
-  for (const auto* v : {&k_scale, &v_scale}) {
+  for (const auto* v : {&a.k_scale, &a.v_scale}) {
     if (!v->has_value()) continue;
     const mx::array& a = **v;
     const bool shaped = a.ndim() == 0 || (a.ndim() == 1 && a.shape(0) == Hkv) ||
@@ -146,12 +142,12 @@ std::vector<mx::array> checked_inputs(const mx::array& query, const mx::array& k
     require(o.kv_code != kKvQueryDtype && a.dtype() == mx::float32 && shaped,
             "k_scale and v_scale go with a kv_code, float32 [], [Hkv] or [P, Hkv, page_size]");
   }
-  for (const auto* v : {&alibi_slopes, &sinks}) {
+  for (const auto* v : {&a.alibi_slopes, &a.sinks}) {
     require(!v->has_value() || ((*v)->dtype() == mx::float32 && (*v)->ndim() == 1 && (*v)->shape(0) == Hq),
             "alibi_slopes and sinks must be float32 [Hq]");
   }
-  return {query, key_pages, value_pages, block_table, context_lens, alibi_slopes.value_or(no_vector()),
-          sinks.value_or(no_vector()), k_scale.value_or(unit_scale()), v_scale.value_or(unit_scale())};
+  return {query, key_pages, value_pages, block_table, context_lens, a.alibi_slopes.value_or(no_vector()),
+          a.sinks.value_or(no_vector()), a.k_scale.value_or(unit_scale()), a.v_scale.value_or(unit_scale())};
 }
 
 // The buffer of one of a call's outputs. MLX's CPU allocator gives buffers of 32 MiB and
@@ -217,31 +213,19 @@ std::vector<mx::Shape> shapes_out(const std::vector<mx::array>& inputs) {
 
 }  // namespace
 
-std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx::array& key_pages,
-                                                const mx::array& value_pages, const mx::array& block_table,
-                                                const mx::array& context_lens, const CallOptions& options,
-                                                const std::optional<mx::array>& alibi_slopes,
-                                                const std::optional<mx::array>& sinks,
-                                                const std::optional<mx::array>& k_scale,
-                                                const std::optional<mx::array>& v_scale, mx::StreamOrDevice s) {
-  auto inputs = checked_inputs(query, key_pages, value_pages, block_table, context_lens, options, alibi_slopes,
-                               sinks, k_scale, v_scale);
+std::pair<mx::array, mx::array> paged_attention(const CallArrays& arrays, const CallOptions& options,
+                                                mx::StreamOrDevice s) {
+  auto inputs = checked_inputs(arrays, options);
   auto stream = mx::to_stream(s);
   for (auto& a : inputs) a = row_contiguous(a, stream);
   auto prim = std::make_shared<PagedAttention>(stream, options);
-  auto outs = mx::array::make_arrays(shapes_out(inputs), {query.dtype(), mx::float32}, prim, std::move(inputs));
+  auto outs = mx::array::make_arrays(shapes_out(inputs), {arrays.query.dtype(), mx::float32}, prim,
+                                     std::move(inputs));
   return {outs[0], outs[1]};
 }
 
-std::pair<mx::array, mx::array> paged_attention_now(const mx::array& query, const mx::array& key_pages,
-                                                    const mx::array& value_pages, const mx::array& block_table,
-                                                    const mx::array& context_lens, const CallOptions& options,
-                                                    const std::optional<mx::array>& alibi_slopes,
-                                                    const std::optional<mx::array>& sinks,
-                                                    const std::optional<mx::array>& k_scale,
-                                                    const std::optional<mx::array>& v_scale) {
-  auto inputs = checked_inputs(query, key_pages, value_pages, block_table, context_lens, options, alibi_slopes,
-                               sinks, k_scale, v_scale);
+std::pair<mx::array, mx::array> paged_attention_now(const CallArrays& arrays, const CallOptions& options) {
+  auto inputs = checked_inputs(arrays, options);
   // Wait only for inputs still being computed (a pool write or a query projection on the
   // stream); then copy the few that are not row-contiguous, as the lazy call would.
   std::vector<mx::array> pending;
@@ -255,7 +239,7 @@ std::pair<mx::array, mx::array> paged_attention_now(const mx::array& query, cons
   }
   if (!pending.empty()) mx::eval(pending);
   const auto shapes = shapes_out(inputs);
-  mx::array out = fresh(shapes[0], query.dtype(), true), lse = fresh(shapes[1], mx::float32, false);
+  mx::array out = fresh(shapes[0], arrays.query.dtype(), true), lse = fresh(shapes[1], mx::float32, false);
   attend(options, inputs, out, lse);
   return {out, lse};
 }

@@ -31,30 +31,26 @@ struct CallOptions {
   bool operator==(const CallOptions&) const = default;
 };
 
+// The arrays of a call: five always, and the options that are arrays (absent: not used).
+// alibi_slopes / sinks are float32 [Hq]; k_scale / v_scale go with a quantized kv_code.
+struct CallArrays {
+  mx::array query, key_pages, value_pages, block_table, context_lens;
+  std::optional<mx::array> alibi_slopes, sinks, k_scale, v_scale;
+};
+
 // Builds the lazy (output [B, Hq, L, Dv], lse float32 [B, Hq, L]) pair: both come out of
 // the same merge, so the lse costs no second pass. Checks only what memory safety needs
 // (ranks, shapes, dtypes); the contract's specific errors are raised by the Python layer
-// (impl/). alibi_slopes / sinks are float32 [Hq] when given.
-std::pair<mx::array, mx::array> paged_attention(const mx::array& query, const mx::array& key_pages,
-                                                const mx::array& value_pages, const mx::array& block_table,
-                                                const mx::array& context_lens, const CallOptions& options,
-                                                const std::optional<mx::array>& alibi_slopes,
-                                                const std::optional<mx::array>& sinks,
-                                                const std::optional<mx::array>& k_scale,
-                                                const std::optional<mx::array>& v_scale, mx::StreamOrDevice s);
+// (impl/).
+std::pair<mx::array, mx::array> paged_attention(const CallArrays& arrays, const CallOptions& options,
+                                                mx::StreamOrDevice s);
 
 // The same pair computed now, in the calling thread (and the kernels' workers), and
 // returned evaluated: no graph node, so no hand-off to MLX's stream thread and back (at
 // B 1 S 128 that round trip is most of a call). Inputs not yet computed are evaluated
 // first (that wait is the only stream round trip left). The same checks and bits as
 // paged_attention.
-std::pair<mx::array, mx::array> paged_attention_now(const mx::array& query, const mx::array& key_pages,
-                                                    const mx::array& value_pages, const mx::array& block_table,
-                                                    const mx::array& context_lens, const CallOptions& options,
-                                                    const std::optional<mx::array>& alibi_slopes,
-                                                    const std::optional<mx::array>& sinks,
-                                                    const std::optional<mx::array>& k_scale,
-                                                    const std::optional<mx::array>& v_scale);
+std::pair<mx::array, mx::array> paged_attention_now(const CallArrays& arrays, const CallOptions& options);
 
 class PagedAttention : public mx::Primitive {
  public:

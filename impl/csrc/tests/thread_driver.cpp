@@ -140,17 +140,17 @@ pagecheck::CallOptions options(const Shape& s) {
           /*packed=*/false};
 }
 
+pagecheck::CallArrays arrays(const Batch& x) {
+  return {x.q, x.kp, x.vp, x.table, x.lens, std::nullopt, std::nullopt, x.k_scale, x.v_scale};
+}
+
 mx::array attend(const Shape& s, const Batch& x, mx::StreamOrDevice stream = {}) {
-  return pagecheck::paged_attention(x.q, x.kp, x.vp, x.table, x.lens, options(s), std::nullopt, std::nullopt,
-                                    x.k_scale, x.v_scale, stream)
-      .first;
+  return pagecheck::paged_attention(arrays(x), options(s), stream).first;
 }
 
 // The eager entry: computed in the calling thread, returned evaluated.
 mx::array attend_now(const Shape& s, const Batch& x) {
-  return pagecheck::paged_attention_now(x.q, x.kp, x.vp, x.table, x.lens, options(s), std::nullopt, std::nullopt,
-                                        x.k_scale, x.v_scale)
-      .first;
+  return pagecheck::paged_attention_now(arrays(x), options(s)).first;
 }
 
 std::vector<uint8_t> bytes(mx::array a) {
