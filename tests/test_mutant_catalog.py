@@ -19,7 +19,8 @@ def test_every_mutant_applies_to_the_tree():
     assert len({m.id for m in mutants}) == len(mutants)
 
 
-TILE_CODE = ("impl/csrc/amx.cpp", "bench/amx_loops.cpp")  # runs only where the CPU has AMX tiles
+# runs only where the CPU has AMX tiles
+TILE_CODE = ("impl/csrc/amx.cpp", "impl/csrc/amx_walk.cpp", "impl/csrc/amx_chunk.h", "bench/amx_loops.cpp")
 
 
 def test_tile_path_mutants_are_marked():

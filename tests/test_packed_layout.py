@@ -32,7 +32,7 @@ from tests.tile_path import tile_path
 pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in kernel's packed page layout")]
 
 # (context_lens, query_len, q_heads, kv_heads, head_dim, page_size, window, options): each
-# reaches another part of amx.cpp place_units / packed_rows.h.
+# reaches another part of amx_walk.cpp place_units / packed_rows.h.
 CASES = {
     # partial last slabs, an empty slot, a context inside one 32-key slab
     "decode-gqa": ([300, 0, 17], 1, 8, 2, 64, 32, None, {}),
