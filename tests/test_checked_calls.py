@@ -8,6 +8,7 @@ would give.
 | after calls that passed, each variant gets a fresh metadata's verdict: the same error, or the same bits (an array option's values are this call's) | test_remembered_checks_give_the_fresh_verdict |
 | the key tells apart what compares equal (True / 1 / 1.0, 0.0 / -0.0) and leaves out what it cannot state | test_signature_states_what_the_checks_read |
 | the memo holds at most MEMO_LIMIT signatures per metadata                         | test_memo_is_bounded                        |
+| checked, remembered or not, a serving call gives the contract call's bits (every option reaches the kernel) | test_serving_calls_give_the_contract_bits |
 """
 
 from __future__ import annotations
@@ -155,6 +156,11 @@ def test_signature_states_what_the_checks_read():
     assert key(sinks=mx.zeros((4,))) != key(sinks=mx.zeros((5,))) != key(sinks=mx.zeros((5,), mx.float16))
     assert key(sinks=np.zeros(4, np.float32)) is None and key(scale=np.float32(0.5)) is None
     assert key(q=np.array(query)) is None and key(q=query.astype(mx.bfloat16)) != key()
+    for i in range(2):  # either pool not an mx.array: checked every time
+        arrays = [query, *pools]
+        arrays[1 + i] = np.array(arrays[1 + i])
+        assert checked.signature(*arrays, tuple(options.values())) is None
+    assert key(scale=0.5) is not None and key(scale=0.5) != key(scale=0.25)
 
 
 def test_memo_is_bounded():
@@ -166,3 +172,19 @@ def test_memo_is_bounded():
     assert len(meta.checked) == checked.MEMO_LIMIT
     for scale, bits in outs.items():  # remembered or not, each call gives its own result
         assert result_bits(impl.paged_attention_now(query, *pools, meta, **{**kwargs, "scale": scale})) == bits
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("base,change", [
+    ("v2", {}), ("v2", dict(scale=0.3, window=3)), ("v2", dict(mask=None, return_lse=False)),
+    ("int8", {}), ("int8", dict(k_scale=0.02, v_scale=0.01)), ("int8", dict(return_lse=True)),
+])
+def test_serving_calls_give_the_contract_bits(base, change, entry):
+    """The serving call's checks (run, then remembered) hand the kernel every option as the
+    contract entry point's own checks do: the same bits, first call and repeated."""
+    query, pools, meta, kwargs = _base(base)
+    kwargs = {**kwargs, **change}
+    expected = result_bits(impl.paged_attention(query, *pools, meta.block_table, meta.context_lens, meta.page_size,
+                                                **kwargs))
+    for _ in range(2):
+        assert result_bits(ENTRIES[entry](query, *pools, meta, **kwargs)) == expected
