@@ -13,7 +13,8 @@ Those checks read the three arrays' types, shapes and dtypes, the options' types
 values (of an array option, its shape and dtype, never its values: no host sync) and the
 metadata, which is frozen. `signature` is all of that as one hashable key; a call whose
 signature equals one that passed passes too, with the same checked options, except
-that the kernel reads the array options this call passes (`Checked.with_arrays`). A
+that the kernel reads the array options this call passes (`Checked.with_arrays`; the
+memo keeps none of a caller's arrays, which may be pool state written in place). A
 call that fails is never remembered, so a bad call raises as it always did. Calls a key
 cannot describe exactly (an argument that is not an `mx.array`, a NumPy or other option
 object, a scale of zero: `0.0 == -0.0`) are checked every time.
@@ -45,10 +46,13 @@ class Checked(NamedTuple):
     opts: KernelOptions
     packed: bool
 
-    def with_arrays(self, options: tuple) -> Checked:
+    def with_arrays(self, options: tuple, keep: bool = True) -> Checked:
         """The same checked call reading the array options of `options` (same shapes and
-        dtypes as those checked)."""
-        arrays = {name: options[i] for name, i in zip(ARRAY_OPTIONS, _ARRAY_SLOTS) if type(options[i]) is mx.array}
+        dtypes as those checked); with keep=False, reading none (None in their place), as
+        the memo holds it: a caller's array may be pool state (a layer's token scales),
+        written in place only while nothing else refers to it."""
+        arrays = {name: options[i] if keep else None
+                  for name, i in zip(ARRAY_OPTIONS, _ARRAY_SLOTS) if type(options[i]) is mx.array}
         return self._replace(opts=self.opts._replace(**arrays)) if arrays else self
 
 
@@ -91,5 +95,5 @@ def checked_call(query, key_pages, value_pages, metadata: PagedMetadata, options
             return hit.with_arrays(options)
     checked = check_call(query, key_pages, value_pages, metadata, options)
     if memo is not None and len(memo) < MEMO_LIMIT:
-        memo[key] = checked
+        memo[key] = checked.with_arrays(options, keep=False)
     return checked

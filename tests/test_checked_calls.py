@@ -9,6 +9,7 @@ would give.
 | the key tells apart what compares equal (True / 1 / 1.0, 0.0 / -0.0) and leaves out what it cannot state | test_signature_states_what_the_checks_read |
 | the memo holds at most MEMO_LIMIT signatures per metadata                         | test_memo_is_bounded                        |
 | checked, remembered or not, a serving call gives the contract call's bits (every option reaches the kernel) | test_serving_calls_give_the_contract_bits |
+| the memo holds none of the caller's arrays: a pool's token scales are still written in place | test_memo_pins_no_pool_state |
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import pytest
 
 import impl
 from impl import checked
+from fixtures.serving import make_pool, pool_rows
+from impl.pool import pool_copies
 from tests.bitwise import result_bits
 from tests.test_now import _call
 
@@ -188,3 +191,25 @@ def test_serving_calls_give_the_contract_bits(base, change, entry):
                                                 **kwargs))
     for _ in range(2):
         assert result_bits(ENTRIES[entry](query, *pools, meta, **kwargs)) == expected
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_memo_pins_no_pool_state(entry):
+    """A layer's token scales are pool state, written in place (impl/pool.py): a memo
+    holding the array a call passed would be one more reference to it, and the next
+    write would copy the layer's scales every step instead."""
+    pool = make_pool(kv_dtype="int8", scales="token", num_layers=1, page_size=16, head_dim=32, num_pages=8)
+    pool.allocate(2)
+    pool.write(0, range(20), pool_rows(pool, 20, seed=1), pool_rows(pool, 20, seed=2))
+    meta = impl.PagedMetadata.build(mx.array([[0, 1]], dtype=mx.int32), mx.array([20], dtype=mx.int32),
+                                    page_size=16, num_pages=8, query_len=1)
+    query = mx.array(np.random.default_rng(3).standard_normal((1, 4, 1, 32)).astype(np.float32))
+    for step in range(3):
+        out = ENTRIES[entry](query, pool.keys(0), pool.values(0), meta, **pool.kv_options(0))
+        mx.eval(out)
+        del out
+        copies = pool_copies()
+        pool.write(0, [20 + step], pool_rows(pool, 1, seed=9 + step), pool_rows(pool, 1, seed=20 + step))
+        mx.eval(pool.keys(0), pool.values(0), *pool.kv_options(0).values())
+        assert pool_copies() == copies, f"step {step}: the write copied the layer"
+    assert len(meta.checked) == 1
