@@ -45,15 +45,19 @@ class Checked(NamedTuple):
     geom: Geometry
     opts: KernelOptions
     packed: bool
+    arrays: tuple = ()  # (KernelOptions field, place in the options) of each option given as an mx.array
 
     def with_arrays(self, options: tuple, keep: bool = True) -> Checked:
-        """The same checked call reading the array options of `options` (same shapes and
-        dtypes as those checked); with keep=False, reading none (None in their place), as
-        the memo holds it: a caller's array may be pool state (a layer's token scales),
-        written in place only while nothing else refers to it."""
-        arrays = {name: options[i] if keep else None
-                  for name, i in zip(ARRAY_OPTIONS, _ARRAY_SLOTS) if type(options[i]) is mx.array}
-        return self._replace(opts=self.opts._replace(**arrays)) if arrays else self
+        """The same checked call reading the array options of `options` (a call of the same
+        signature: arrays of the same shapes and dtypes in the same places); with
+        keep=False, reading none (None in their place), as the memo holds it: a caller's
+        array may be pool state (a layer's token scales), written in place only while
+        nothing else refers to it. A call without array options is returned as it is
+        (most calls: 0.9 -> 0.05 us)."""
+        if not self.arrays:
+            return self
+        return self._replace(opts=self.opts._replace(**{name: options[i] if keep else None
+                                                        for name, i in self.arrays}))
 
 
 def signature(query, key_pages, value_pages, options: tuple) -> tuple | None:
@@ -79,7 +83,8 @@ def check_call(query, key_pages, value_pages, metadata: PagedMetadata, options: 
     geom = check_arrays(query, key_pages, value_pages, metadata.block_table, metadata.context_lens,
                         metadata.page_size, pipeline.kv_dtype)
     opts = check_pipeline(geom, pipeline)
-    checked = Checked(geom, opts, check_kv_layout(geom, options[-1], query.dtype, opts.kv_dtype))
+    arrays = tuple((name, i) for name, i in zip(ARRAY_OPTIONS, _ARRAY_SLOTS) if type(options[i]) is mx.array)
+    checked = Checked(geom, opts, check_kv_layout(geom, options[-1], query.dtype, opts.kv_dtype), arrays)
     metadata.check_matches(geom)
     return checked
 
