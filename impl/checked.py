@@ -6,8 +6,8 @@ before the kernel reads anything. In Python that is ~5 us a call, and the kernel
 it runs ~3 us slower than after no Python at all (checks then kernel 33.0 us against
 5.1 + 24.8 apart; a plain Python loop between calls costs no such extra, so presumably
 the checks' objects displace the kernel's data in the core's caches): B 1, S 128, f32,
-2 threads, 33 us a call against a 25 us kernel,
-where vLLM's whole call takes 23 us. A model step calls every layer with the same
+2 threads, 33 us a call against a 25 us kernel, where vLLM's whole call takes 23 us.
+A model step calls every layer with the same
 metadata, options and array shapes, so every layer after the first repeats the same
 checks with the same verdict.
 
