@@ -1,15 +1,15 @@
 """The checks of a serving call, remembered on its `PagedMetadata` by everything they read.
 
 `paged_attention_with_metadata` and `paged_attention_now` check every call's arrays and
-options (`check_arrays`, `check_pipeline`, `check_kv_layout`, `PagedMetadata.check_matches`)
-before the kernel reads anything. In Python that is ~5 us a call, and the kernel after
-it runs ~3 us slower than after no Python at all (checks then kernel 33.0 us against
-5.1 + 24.8 apart; a plain Python loop between calls costs no such extra, so presumably
-the checks' objects displace the kernel's data in the core's caches): B 1, S 128, f32,
-2 threads, 33 us a call against a 25 us kernel, where vLLM's whole call takes 23 us.
-A model step calls every layer with the same
-metadata, options and array shapes, so every layer after the first repeats the same
-checks with the same verdict.
+options (`check_arrays`, `check_pipeline`, `check_kv_layout`,
+`PagedMetadata.check_matches`) before the kernel reads anything. In Python that is ~5 us
+a call, and the kernel after it runs ~3 us slower than after no Python at all (checks
+then kernel 33.0 us against 5.1 + 24.8 apart; a plain Python loop between calls costs no
+such extra, so presumably the checks' objects displace the kernel's data in the core's
+caches): B 1, S 128, f32, 2 threads, 33 us a call against a 25 us kernel, where vLLM's
+whole call takes 23 us. A model step calls every layer with the same metadata, options
+and array shapes, so every layer after the first repeats the same checks with the same
+verdict.
 
 Those checks read the three arrays' types, shapes and dtypes, the options' types and
 values (of an array option, its shape and dtype, never its values: no host sync) and the
