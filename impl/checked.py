@@ -31,7 +31,7 @@ import mlx.core as mx
 from contract import ScorePipeline
 from contract.pipeline import OPTIONS
 
-from .validation import Geometry, KernelOptions, PagedMetadata, check_arrays, check_kv_layout, check_pipeline
+from .validation import KernelOptions, PagedMetadata, check_arrays, check_kv_layout, check_pipeline
 
 # KernelOptions fields that hold the caller's own arrays (check_pipeline returns an
 # mx.array option as given).
@@ -44,7 +44,6 @@ MEMO_LIMIT = 32  # signatures per metadata: a step's calls have a few (one per l
 class Checked(NamedTuple):
     """What the checks of a call give the kernel call."""
 
-    geom: Geometry
     opts: KernelOptions
     packed: bool
     arrays: tuple = ()  # (KernelOptions field, place in the options) of each option given as an mx.array
@@ -86,7 +85,7 @@ def check_call(query, key_pages, value_pages, metadata: PagedMetadata, options: 
                         metadata.page_size, pipeline.kv_dtype)
     opts = check_pipeline(geom, pipeline)
     arrays = tuple((name, i) for name, i in zip(ARRAY_OPTIONS, _ARRAY_SLOTS) if type(options[i]) is mx.array)
-    checked = Checked(geom, opts, check_kv_layout(geom, options[-1], query.dtype, opts.kv_dtype), arrays)
+    checked = Checked(opts, check_kv_layout(geom, options[-1], query.dtype, opts.kv_dtype), arrays)
     metadata.check_matches(geom)
     return checked
 

@@ -170,7 +170,7 @@ def test_serving_batch_reads_a_packed_pool(tiles):
 @pytest.mark.parametrize("change,why", [
     (dict(kv_layout="rows"), "kv_layout must be None"),
     (dict(kv_layout=1), "kv_layout must be None"),
-    (dict(dtype="float32"), "hold bfloat16"),
+    (dict(dtype="float32"), r"^amx_packed pages hold bfloat16 \(the tiles' operands\), got float32 pages$"),
     (dict(page_size=16), "multiples of 32"),
     (dict(head_dim=48), "multiples of 32"),
     (dict(value_dim=32), "Dv = Dk"),
@@ -196,7 +196,7 @@ def test_quantized_pages_cannot_be_packed():
     codes = mx.zeros(case.key_pages.shape, dtype=mx.uint8)
     meta = PagedMetadata.build(case.block_table, case.context_lens, page_size=32,
                                num_pages=case.key_pages.shape[0], query_len=1)
-    with pytest.raises(ContractViolation, match="float8_e4m3fn codes") as err:
+    with pytest.raises(ContractViolation, match=r"got bfloat16 pages of float8_e4m3fn codes$") as err:
         impl.paged_attention_with_metadata(case.query, codes, codes, meta, kv_dtype="float8_e4m3fn",
                                            kv_layout="amx_packed")
     assert err.value.clause == "kv_layout"
