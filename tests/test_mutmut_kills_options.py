@@ -102,3 +102,18 @@ def test_a_scale_without_a_kv_dtype_says_so(name):
         check_pipeline(GEOM, ScorePipeline(**{name: 0.5}))
     assert (e.value.clause, str(e.value)) == (
         "kv_scale", f"{name} is given but kv_dtype is None: scales belong to quantized pages")
+
+
+@pytest.mark.parametrize("pool, message", [
+    (dict(), "k_scale given, but an unquantized pool has no scales"),
+    (dict(kv_dtype="int8", scales="token"), "k_scale given, but token scales are computed by the writes"),
+])
+def test_a_pool_refuses_scales_it_cannot_take_and_says_why(pool, message):
+    """A pool's constructor (impl/pool.py `_layer_scales`): scales given where the pool has
+    none to take, each with its reason (mutmut 2026-12-03: only the clause was pinned)."""
+    from fixtures.serving import make_pool
+    from impl.errors import ServingError
+
+    with pytest.raises(ServingError) as e:
+        make_pool(**pool, k_scale=0.5)
+    assert (e.value.clause, str(e.value)) == ("kv_scale", message)
