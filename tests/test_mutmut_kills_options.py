@@ -117,3 +117,39 @@ def test_a_pool_refuses_scales_it_cannot_take_and_says_why(pool, message):
     with pytest.raises(ServingError) as e:
         make_pool(**pool, k_scale=0.5)
     assert (e.value.clause, str(e.value)) == ("kv_scale", message)
+
+
+POOL_REJECTIONS = {
+    "format": (dict(kv_dtype="int4"), "kv_dtype",
+               "kv_dtype must be None or one of float8_e4m3fn, float8_e5m2, int8, got 'int4'"),
+    "packed-float32": (dict(layout="amx_packed"), "kv_layout", "an amx_packed pool holds bfloat16 pages, got float32"),
+    "packed-codes": (dict(kv_dtype="int8", layout="amx_packed", fill=0.0), "kv_layout",
+                     "an amx_packed pool holds bfloat16 pages, got float32 as int8 codes"),
+    "scale-float16": (dict(kv_dtype="int8", k_scale=mx.ones(2, dtype=mx.float16)), "kv_scale",
+                      "k_scale must be float32, got float16"),
+    "scale-string": (dict(kv_dtype="int8", k_scale="1.0"), "kv_scale",
+                     "k_scale must be a number or an array of numbers, got '1.0'"),
+    "scale-shape": (dict(kv_dtype="int8", k_scale=[1.0, 2.0, 3.0]), "kv_scale",
+                    "tensor k_scale must have shape [] (every layer) or [2], got [3]"),
+    "scale-past-float32": (dict(kv_dtype="int8", k_scale=1e39), "kv_scale",
+                           "k_scale must be finite float32 values > 0, got [1e+39]"),
+    "head-scales-first-four": (dict(kv_dtype="int8", scales="head", kv_heads=3, k_scale=[[1, 2, 3], [4, -5, 6]]),
+                               "kv_scale", "k_scale must be finite float32 values > 0, got [1.0, 2.0, 3.0, 4.0]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POOL_REJECTIONS))
+def test_each_pool_rejection_says_exactly_what_was_wrong(name):
+    """The pool constructor's format, layout and scale rejections (impl/pool.py
+    `_check_format`, `_check_layout`, `_layer_scales`), clause and whole message, with
+    warnings as errors: a scale past float32 is rejected, not warned about (mutmut
+    2026-12-03: only the clauses were pinned)."""
+    from fixtures.serving import make_pool
+    from impl.errors import ServingError
+
+    pool, clause, message = POOL_REJECTIONS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ServingError) as e:
+            make_pool(**pool)
+    assert (e.value.clause, str(e.value)) == (clause, message)
