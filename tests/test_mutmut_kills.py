@@ -395,3 +395,16 @@ def test_scheduler_errors_say_exactly_what_was_wrong(name):
     assert (type(e.value), e.value.clause, str(e.value)) == (ServingError, clause, message)
     assert (scheduler_state(sched, store), _requests([req])) == before[:2]
     assert_same_state(before[2], pool_state(store.pool, *store.caches.values()))
+
+
+def test_a_pool_holds_its_whole_capacity_once_built():
+    """The capacity is taken at construction (module docstring: nothing grows): the pages
+    and token scales exist when the constructor returns, exactly bytes_per_page a page
+    (mutmut 2026-12-03: token scales left lazy until their first write survived)."""
+    import gc
+
+    gc.collect()
+    before = mx.get_active_memory()
+    pool = PagePool(num_layers=2, kv_heads=8, head_dim=128, page_size=16, num_pages=64, kv_dtype="int8",
+                    scales="token")
+    assert mx.get_active_memory() - before == pool.bytes_per_page * 64
