@@ -136,10 +136,11 @@ std::vector<mx::array> checked_inputs(const CallArrays& a, const CallOptions& o)
           "packed pools are bfloat16 with page_size and D multiples of 32 and Dv = D");
   for (const auto* v : {&a.k_scale, &a.v_scale}) {
     if (!v->has_value()) continue;
-    const mx::array& a = **v;
-    const bool shaped = a.ndim() == 0 || (a.ndim() == 1 && a.shape(0) == Hkv) ||
-                        (a.ndim() == 3 && a.shape(0) == P && a.shape(1) == Hkv && a.shape(2) == o.page_size);
-    require(o.kv_code != kKvQueryDtype && a.dtype() == mx::float32 && shaped,
+    const mx::array& scale = **v;
+    const bool shaped = scale.ndim() == 0 || (scale.ndim() == 1 && scale.shape(0) == Hkv) ||
+                        (scale.ndim() == 3 && scale.shape(0) == P && scale.shape(1) == Hkv &&
+                         scale.shape(2) == o.page_size);
+    require(o.kv_code != kKvQueryDtype && scale.dtype() == mx::float32 && shaped,
             "k_scale and v_scale go with a kv_code, float32 [], [Hkv] or [P, Hkv, page_size]");
   }
   for (const auto* v : {&a.alibi_slopes, &a.sinks}) {
