@@ -421,6 +421,11 @@ def test_a_pool_holds_its_whole_capacity_once_built():
     import subprocess
     import sys
 
+    # Built here too: mutmut runs a mutant's tests only where its stats run saw them reach
+    # the mutated function in this process (2026-12-03: the subprocess alone left the
+    # mx.eval mutants of the constructor unrun, survived); the subprocess inherits the
+    # mutant under test through the environment.
+    PagePool(num_layers=1, kv_heads=1, head_dim=8, page_size=4, num_pages=1, kv_dtype="int8", scales="token")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", _CAPACITY_PROBE], cwd=root, check=True, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": root}).stdout

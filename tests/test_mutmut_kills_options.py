@@ -161,3 +161,31 @@ def test_each_pool_rejection_says_exactly_what_was_wrong(name):
         with pytest.raises(ServingError) as e:
             make_pool(**pool)
     assert (e.value.clause, str(e.value)) == (clause, message)
+
+
+def _codes_call(kv_dtype, key_dtype=mx.uint8, value_dtype=mx.uint8):
+    """impl.paged_attention on 1-byte pages (7 pages of 4 positions, 2 KV heads) with
+    `kv_dtype`; pages of other dtypes where given."""
+    q = mx.zeros((1, 4, 1, 8), dtype=mx.float32)
+    kp, vp = mx.zeros((7, 2, 4, 8), dtype=key_dtype), mx.zeros((7, 2, 4, 8), dtype=value_dtype)
+    table, lens = mx.zeros((1, 3), dtype=mx.int32), mx.array([4], dtype=mx.int32)
+    return impl.paged_attention(q, kp, vp, table, lens, 4, kv_dtype=kv_dtype)
+
+
+# mutmut 2026-12-03: both messages could be dropped or garbled unseen (only clauses were pinned)
+CODE_REJECTIONS = {
+    "unknown-format": (("float8",), "kv_dtype must be None or one of float8_e4m3fn, float8_e5m2, int8, "
+                                    "got 'float8'"),
+    "not-a-string": ((8,), "kv_dtype must be None or one of float8_e4m3fn, float8_e5m2, int8, got 8"),
+    "key-pages-float": (("int8", mx.float32, mx.int8), "key_pages dtype float32: kv_dtype int8 pages hold int8 codes"),
+    "value-pages-int8": (("float8_e5m2", mx.uint8, mx.int8),
+                         "value_pages dtype int8: kv_dtype float8_e5m2 pages hold uint8 codes"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CODE_REJECTIONS))
+def test_each_kv_dtype_rejection_says_exactly_what_was_wrong(name):
+    args, message = CODE_REJECTIONS[name]
+    with pytest.raises(impl.ContractViolation) as e:
+        _codes_call(*args)
+    assert (e.value.clause, str(e.value)) == ("kv_dtype", message)
