@@ -1,8 +1,8 @@
 """`python -m mutants.mutmut_run`: mutmut 3 over the Python serving core, in a scratch copy.
 
     python -m mutants.mutmut_run [--json PATH] [--max-children N] [--keep]
-                                 [--only-mutate GLOB ...] [--tests PATH ...]
-                                 [MUTANT_NAME_OR_GLOB ...]
+                                 [MUTANT_NAME_OR_GLOB ...] [--only-mutate GLOB ...]
+                                 [--tests PATH ...]
 
 mutmut writes its work dir `mutants/` at the project root, which is this package (the
 seeded-mutant catalog), so it never runs in the checkout: the runner copies the tree
@@ -277,6 +277,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.smoke and not args.names:
         parser.error("--smoke needs MUTANT names")
+    # --tests takes every word after it: mutant names written there would reach mutmut's
+    # stats run as test paths and fail it minutes later (2026-12-03).
+    missing = [p for p in args.tests or () if not (ROOT / p).exists()]
+    if missing:
+        parser.error(f"--tests: no such test file or directory: {', '.join(missing)} "
+                     "(mutant names go before --tests, which takes every word after it)")
 
     equivalents = load_equivalents()
     base = Path(tempfile.mkdtemp(prefix="pagecheck-mutmut-"))

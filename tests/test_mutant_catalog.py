@@ -96,6 +96,29 @@ def test_mutmut_tests_narrow_only_the_selection_mutmut_runs(tmp_path):
                                                              "-m", "correctness and not slow"]}
 
 
+def test_mutmut_tests_that_are_no_path_are_refused_before_any_work(monkeypatch, capsys):
+    """Mutant names after `--tests` would be taken as test paths (its nargs takes every
+    word) and fail mutmut's stats run minutes later: refused at once, naming them, with no
+    scratch copy made; real paths pass the check."""
+    import tempfile
+
+    from mutants import mutmut_run
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("a scratch copy was made")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_copy)
+    name = "impl.pool.xǁPagePoolǁ__init____mutmut_1"
+    with pytest.raises(SystemExit) as e:
+        mutmut_run.main(["--tests", "tests/test_pool.py", name, "tests"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(  # after argparse's program name
+        f": error: --tests: no such test file or directory: {name} "
+        "(mutant names go before --tests, which takes every word after it)")
+    with pytest.raises(AssertionError, match="a scratch copy was made"):  # past the check
+        mutmut_run.main([name, "--tests", "tests/test_pool.py", "tests"])
+
+
 @pytest.mark.parametrize("broken", ["fails", "cannot collect"])
 def test_mutmut_copy_check_runs_the_whole_configured_selection(tmp_path, broken):
     """Before a narrowed run, the whole configured selection runs once in the copy: a test
