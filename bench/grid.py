@@ -30,7 +30,7 @@ pool converted into its cache outside the timing; an optional extra). The query,
 | path         | skipped when                                                         |
 |--------------|----------------------------------------------------------------------|
 | paged_now    | prefill: a call of milliseconds, where the stream hand-off it saves (0.01-0.05 ms) is noise |
-| paged_packed | the spec's pages are not bfloat16 pages of a multiple of 32 keys (what `kv_layout="amx_packed"` holds) |
+| paged_packed | the spec's pages are not bfloat16 pages of a multiple of 32 keys (what `kv_layout="amx_packed"` holds), or the machine runs no AMX tiles (the packed order is theirs; the FMA path reads it ~10x slower than rows) |
 | torch_sdpa   | torch is not installed (optional extra `bench`)                       |
 | vllm_cpu     | vLLM CPU's ops cannot be loaded (peers/vllm_cpu.py; vllm-cpu is in `.venv-peers` only) |
 | mlx_sdpa     | above MLX_SDPA_MAX_TOKENS = 131072 cached tokens (B x S: only B 16 x S 32768), prefill above L = MLX_SDPA_MAX_PREFILL = 512 |
@@ -168,6 +168,12 @@ def vllm_cpu_missing() -> str | None:
     return None
 
 
+def _tiles_on() -> bool:
+    import impl  # not at import time: the grid's definitions need no kernels
+
+    return impl.amx_enabled()
+
+
 def _scores_gib(spec: Spec) -> float:
     return SHAPE["q_heads"] * spec.query_len * spec.context * 4 / 2 ** 30
 
@@ -184,6 +190,10 @@ def skip_reason(spec: Spec, path: str) -> str | None:
     if path == "paged_packed" and (spec.dtype != "bfloat16" or spec.page_size % PACKED_MULTIPLE):
         return (f"amx_packed pages are bfloat16 in pages of a multiple of {PACKED_MULTIPLE} keys "
                 f"(impl.PagePool(layout='amx_packed')); this spec has {spec.dtype} pages of {spec.page_size}")
+    if path == "paged_packed" and not _tiles_on():
+        return ("amx_packed pages are the tile path's order, and this machine runs no tiles (impl.amx_enabled() "
+                "is false): the FMA path reads them unit by unit, about 10x slower than the row layout (B 1 S 1024 "
+                "bf16 pages of 128, AMD EPYC: 2.58 ms against 0.20 ms), so no serving path would pick them here")
     if path == "torch_sdpa" and not torch_available():
         return "torch not installed (optional extra: pip install '.[bench]')"
     if path == "vllm_cpu":
