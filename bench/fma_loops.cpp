@@ -38,15 +38,25 @@ namespace {
 constexpr int kD = 128, kRows = 4;
 constexpr double kSeconds = 0.25;  // per measurement
 
-// Runs `loop(block, next)` over every block of the working set until kSeconds have
-// passed; returns GFMA/s (512 FMAs a block).
+// Runs `loop(rows, next)` on every block of `blocks` in `pool` (its 16 rows, and the
+// next block's, which the loop asks for) until kSeconds have passed; returns GFMA/s (512
+// FMAs a block).
 template <class Loop>
-double rate(int blocks, Loop&& loop) {
+double rate(const float* pool, int blocks, Loop&& loop) {
+  const auto rows_of = [&](int b, const float** rows) {
+    for (int k = 0; k < kBlock; ++k) rows[k] = pool + (static_cast<int64_t>(b) * kBlock + k) * kD;
+  };
   int64_t done = 0;
   const auto t0 = Clock::now();
   double t = 0;
   while (t < kSeconds) {
-    for (int b = 0; b < blocks; ++b) loop(b, (b + 1) % blocks);
+    for (int b = 0; b < blocks; ++b) {
+      const float* rows[kBlock];
+      const float* next[kBlock];
+      rows_of(b, rows);
+      rows_of((b + 1) % blocks, next);
+      loop(rows, next);
+    }
     done += blocks;
     t = std::chrono::duration<double>(Clock::now() - t0).count();
   }
@@ -71,9 +81,6 @@ int main(int argc, char** argv) {
     // rows from 24 bytes past a line boundary, as in an MLX buffer
     const uintptr_t base = (reinterpret_cast<uintptr_t>(buf.data()) + 63) / 64 * 64 + 24;
     const float* pool = reinterpret_cast<const float*>(base);
-    const auto rows_of = [&](int b, const float** rows) {
-      for (int k = 0; k < kBlock; ++k) rows[k] = pool + (static_cast<int64_t>(b) * kBlock + k) * kD;
-    };
     const float* qs[kRows];
     float* ss[kRows];
     float* os[kRows];
@@ -84,19 +91,11 @@ int main(int argc, char** argv) {
       os[r] = out.data() + r * kD;
       ps[r] = scores.data() + r * kBlock;
     }
-    const double s = rate(blocks, [&](int b, int n) {
-      const float* rows[kBlock];
-      const float* next[kBlock];
-      rows_of(b, rows);
-      rows_of(n, next);
+    const double s = rate(pool, blocks, [&](const float* const* rows, const float* const* next) {
       scores16_rows<F32>(qs, kRows, rows, D, ss, next);
     });
     for (auto& p : scores) p = 1e-3f;
-    const double w = rate(blocks, [&](int b, int n) {
-      const float* rows[kBlock];
-      const float* next[kBlock];
-      rows_of(b, rows);
-      rows_of(n, next);
+    const double w = rate(pool, blocks, [&](const float* const* rows, const float* const* next) {
       weigh_rows<F32>(rows, ps, kRows, kBlock, os, D, next);
     });
     const int actual = static_cast<int>(int64_t{blocks} * kBlock * kD * 4 / 1024);

@@ -181,12 +181,13 @@ inline void in_register(__m512& v) { asm("" : "+v"(v)); }
 // per row wait in registers; holding all 16 accumulators of every row until the end
 // sent them through the stack (4 KiB a call for 4 rows; prefill 5% slower). Not inlined:
 // inside attend_chunk the register allocator spilled the loads in_register keeps (29
-// vectors live at the last group) to the stack. Both together, on the AMD machine: the
-// loop alone on 16-key blocks in L1 or L2 at 2.6-2.7 G FMA/s against 1.1-1.7 (of 3.7),
-// decode B 1 S 256 f32 one thread 10-17% faster, prefill L = S = 512 f32 10-20%.
+// vectors live at the last group) to the stack. Both together, on the AMD machine
+// (bench/fma_loops.cpp, one core, ceiling 3.7): the loop alone on 16-key blocks from L1
+// to 4 MiB at 2.3-2.7 G FMA/s against 1.2-1.4, decode B 1 S 256 f32 one thread 10-17%
+// faster, prefill L = S = 512 f32 10-20%.
 template <class E, int NR>
-__attribute__((noinline)) void scores16_block(const float* const* q, const typename E::T* const* rows, int D, float* const* s,
-                           const typename E::T* const* next) {
+__attribute__((noinline)) void scores16_block(const float* const* q, const typename E::T* const* rows, int D,
+                                              float* const* s, const typename E::T* const* next) {
   __m512 quarter[NR], pair[NR][2];
 #pragma GCC unroll 4
   for (int k0 = 0; k0 < kBlock; k0 += 4) {
