@@ -35,8 +35,8 @@ import mlx.core as mx
 import numpy as np
 
 import impl
-from contract import ScorePipeline
-from impl.validation import PagedMetadata, check_arrays, check_metadata_dtype, check_metadata_values, check_pipeline
+from impl.checked import checked_contract_call
+from impl.validation import PagedMetadata, check_metadata_dtype, check_metadata_values
 
 from . import timing
 from .grid import SHAPE
@@ -78,10 +78,9 @@ def callables(args) -> dict:
     def with_metadata():
         return impl.paged_attention_with_metadata(q, kp, vp, meta)
 
-    def validation():  # impl/attention.py paged_attention, up to the primitive
-        pipeline = ScorePipeline(None, "causal", None, None, None, None, False, None, None, None)
-        geom = check_arrays(q, kp, vp, table, lens, PAGE_SIZE, None)
-        check_pipeline(geom, pipeline)
+    def validation():  # impl/attention.py paged_attention, up to the primitive (its checks remembered)
+        options = (None, "causal", None, None, None, None, False, None, None, None)
+        geom, _ = checked_contract_call(q, kp, vp, table, lens, PAGE_SIZE, options)
         check_metadata_values(check_metadata_dtype("block_table", table), check_metadata_dtype("context_lens", lens),
                               page_size=geom.page_size, num_pages=geom.num_pages, query_len=geom.query_len)
 

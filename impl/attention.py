@@ -34,12 +34,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pagecheck_kernels as _kernels
 
-from contract import ScorePipeline
-
-from .checked import checked_call
+from .checked import checked_call, checked_contract_call
 from .runtime import KERNEL_STREAM
-from .validation import (KernelOptions, PagedMetadata, check_arrays, check_metadata_dtype, check_metadata_values,
-                         check_pipeline)
+from .validation import KernelOptions, PagedMetadata, check_metadata_dtype, check_metadata_values
 
 # kv_dtype -> the kernel's element code (paged_attention.h KvCode)
 KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
@@ -72,15 +69,16 @@ def paged_attention(query, key_pages, value_pages, block_table, context_lens, pa
 
     Every argument is checked, metadata values included (one compiled pass over
     `block_table` and `context_lens` where they lie: no copy, ~1 us at B 1); on bad
-    input `ContractViolation` is raised and nothing is computed. The kernel reads the
+    input `ContractViolation` is raised and nothing is computed. The checks that read no
+    values (types, shapes, dtypes, options) give one verdict per signature, remembered
+    when it passes (impl/checked.py: `checked_contract_call`); the metadata's dtypes and
+    values are checked on every call. The kernel reads the
     very arrays checked: an MLX array is immutable (an in-place update rebinds the
     Python object to a new array; the graph keeps the checked one). Returns the output,
     or (output, lse) with `return_lse=True`.
     """
-    pipeline = ScorePipeline(scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale,
-                             v_scale)
-    geom = check_arrays(query, key_pages, value_pages, block_table, context_lens, page_size, kv_dtype)
-    opts = check_pipeline(geom, pipeline)
+    options = (scale, mask, window, softcap, alibi_slopes, sinks, return_lse, kv_dtype, k_scale, v_scale)
+    geom, opts = checked_contract_call(query, key_pages, value_pages, block_table, context_lens, page_size, options)
     # check_arrays took MLX arrays only: the kernel reads the caller's, checked in place
     table = check_metadata_dtype("block_table", block_table)
     lens = check_metadata_dtype("context_lens", context_lens)

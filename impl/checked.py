@@ -31,7 +31,7 @@ import mlx.core as mx
 from contract import ScorePipeline
 from contract.pipeline import OPTIONS
 
-from .validation import KernelOptions, PagedMetadata, check_arrays, check_kv_layout, check_pipeline
+from .validation import Geometry, KernelOptions, PagedMetadata, check_arrays, check_kv_layout, check_pipeline
 
 # KernelOptions fields that hold the caller's own arrays (check_pipeline returns an
 # mx.array option as given).
@@ -39,6 +39,11 @@ ARRAY_OPTIONS = ("alibi_slopes", "sinks", "k_scale", "v_scale")
 _ARRAY_SLOTS = tuple(OPTIONS.index(name) for name in ARRAY_OPTIONS)  # their places in a call's options
 _PLAIN = frozenset({type(None), bool, int, float, str})  # option types compared by value
 MEMO_LIMIT = 32  # signatures per metadata: a step's calls have a few (one per layer kind)
+# Signatures the contract entry point remembers, process-wide (it has no metadata object to
+# hold them): its block table's shape moves with the batch and the pages, so the oldest
+# is dropped for a new one rather than the memo freezing on the first calls it saw.
+CONTRACT_LIMIT = 64
+_contract_memo: dict = {}
 
 
 class Checked(NamedTuple):
@@ -103,3 +108,36 @@ def checked_call(query, key_pages, value_pages, metadata: PagedMetadata, options
     if memo is not None and len(memo) < MEMO_LIMIT:
         memo[key] = checked.with_arrays(options, keep=False)
     return checked
+
+
+def contract_signature(query, key_pages, value_pages, block_table, context_lens, page_size,
+                       options: tuple) -> tuple | None:
+    """`signature` of a `paged_attention` call (options: ScorePipeline's fields) with what
+    its checks read of the metadata: both arrays' types, shapes and dtypes, page_size's
+    type and value (never the arrays' values); None where no key states it exactly."""
+    key = signature(query, key_pages, value_pages, (*options, None))
+    if (key is None or type(block_table) is not mx.array or type(context_lens) is not mx.array
+            or type(page_size) is not int):
+        return None
+    return key, block_table.shape, block_table.dtype, context_lens.shape, context_lens.dtype, page_size
+
+
+def checked_contract_call(query, key_pages, value_pages, block_table, context_lens, page_size,
+                          options: tuple) -> tuple[Geometry, KernelOptions]:
+    """(geometry, kernel options) of a `paged_attention` call: `check_arrays` and
+    `check_pipeline`, remembered by `contract_signature` when they pass (the oldest of
+    CONTRACT_LIMIT dropped first). The metadata's dtypes and values are not among them:
+    the caller checks those on every call."""
+    key = contract_signature(query, key_pages, value_pages, block_table, context_lens, page_size, options)
+    hit = _contract_memo.get(key) if key is not None else None
+    if hit is not None:
+        return hit[0], hit[1].with_arrays(options).opts
+    pipeline = ScorePipeline(*options)
+    geom = check_arrays(query, key_pages, value_pages, block_table, context_lens, page_size, pipeline.kv_dtype)
+    opts = check_pipeline(geom, pipeline)
+    if key is not None:
+        arrays = tuple((name, i) for name, i in zip(ARRAY_OPTIONS, _ARRAY_SLOTS) if type(options[i]) is mx.array)
+        if len(_contract_memo) >= CONTRACT_LIMIT:
+            _contract_memo.pop(next(iter(_contract_memo), None), None)
+        _contract_memo[key] = (geom, Checked(opts, False, arrays).with_arrays(options, keep=False))
+    return geom, opts

@@ -10,6 +10,9 @@ would give.
 | the memo holds at most MEMO_LIMIT signatures per metadata                         | test_memo_is_bounded                        |
 | checked, remembered or not, a serving call gives the contract call's bits (every option reaches the kernel) | test_serving_calls_give_the_contract_bits |
 | the memo holds none of the caller's arrays: a pool's token scales are still written in place | test_memo_pins_no_pool_state |
+| the contract entry point (`paged_attention`, "contract" below) remembers its array and option checks process-wide; each variant of its metadata gets the fresh verdict | test_remembered_checks_give_the_fresh_verdict, test_contract_metadata_variants_give_the_fresh_verdict |
+| a repeated contract call skips those checks, never the metadata's dtypes and values | test_a_repeated_contract_call_checks_only_the_metadata |
+| the contract memo keys its metadata's types, shapes, dtypes and page_size's type, and drops its oldest past CONTRACT_LIMIT | test_contract_signature_states_what_the_checks_read, test_contract_memo_drops_the_oldest |
 """
 
 from __future__ import annotations
@@ -29,7 +32,23 @@ from tests.test_now import _call
 
 pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in serving path's remembered checks")]
 
-ENTRIES = {"lazy": impl.paged_attention_with_metadata, "now": impl.paged_attention_now}
+
+
+def _contract(query, key_pages, value_pages, meta, **kwargs):
+    """The contract entry point on the metadata's arrays (every value checked per call)."""
+    return impl.paged_attention(query, key_pages, value_pages, meta.block_table, meta.context_lens, meta.page_size,
+                                **kwargs)
+
+
+ENTRIES = {"lazy": impl.paged_attention_with_metadata, "now": impl.paged_attention_now, "contract": _contract}
+SERVING = ("lazy", "now")  # the entries that remember on the metadata
+
+
+def _forgetting(entry, meta):
+    """A metadata with nothing remembered; for the contract entry, an empty process memo."""
+    if entry == "contract":
+        checked._contract_memo.clear()
+    return dataclasses.replace(meta)
 
 
 def _base(name):
@@ -117,11 +136,12 @@ def test_remembered_checks_give_the_fresh_verdict(variant, entry):
     base, warm, probe = VARIANTS[variant]
     call = ENTRIES[entry]
     query, pools, meta, kwargs = _base(base)
-    for change in [{}, *warm]:
-        q, p, kw = _changed(query, pools, kwargs, change)
-        assert _outcome(call, q, p, meta, kw)[0] == "computed"
     q, p, kw = _changed(query, pools, kwargs, probe)
-    expected = _outcome(call, q, p, dataclasses.replace(meta), kw)
+    expected = _outcome(call, q, p, _forgetting(entry, meta), kw)
+    _forgetting(entry, meta)  # the probe's own verdict is not among those remembered
+    for change in [{}, *warm]:
+        wq, wp, wkw = _changed(query, pools, kwargs, change)
+        assert _outcome(call, wq, wp, meta, wkw)[0] == "computed"
     assert _outcome(call, q, p, meta, kw) == expected
     assert _outcome(call, q, p, meta, kw) == expected
 
@@ -179,7 +199,7 @@ def test_memo_is_bounded():
         assert result_bits(impl.paged_attention_now(query, *pools, meta, **{**kwargs, "scale": scale})) == bits
 
 
-@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("entry", SERVING)
 @pytest.mark.parametrize("base,change", [
     ("v2", {}), ("v2", dict(scale=0.3, window=3)), ("v2", dict(mask=None, return_lse=False)),
     ("int8", {}), ("int8", dict(k_scale=0.02, v_scale=0.01)), ("int8", dict(return_lse=True)),
@@ -214,4 +234,95 @@ def test_memo_pins_no_pool_state(entry):
         pool.write(0, [20 + step], pool_rows(pool, 1, seed=9 + step), pool_rows(pool, 1, seed=20 + step))
         mx.eval(pool.keys(0), pool.values(0), *pool.kv_options(0).values())
         assert pool_copies() == copies, f"step {step}: the write copied the layer"
-    assert len(meta.checked) == 1
+    assert len(meta.checked) == (entry in SERVING)
+
+
+def _two_rows(x):
+    """The array with its first row repeated (a table or lengths one request longer)."""
+    return mx.concatenate([x, x[:1]])
+
+
+# name -> (change of the metadata's (block_table, context_lens, page_size)); the contract
+# entry point reads them as arguments, so its memo key must state them.
+METADATA_VARIANTS = {
+    "same metadata": {},
+    "table and lengths one request longer": dict(block_table=_two_rows, context_lens=_two_rows),
+    "table one column wider": dict(block_table=lambda t: mx.concatenate([t, t[:, :1]], axis=1)),
+    "table int64": dict(block_table=lambda t: t.astype(mx.int64)),
+    "lengths as numpy": dict(context_lens=np.array),
+    "a page outside the pool": dict(block_table=lambda t: mx.full(t.shape, 10 ** 6, dtype=mx.int32)),
+    "page_size 16.0 after 16": dict(page_size=float),
+    "page_size numpy int": dict(page_size=np.int64),
+    "page_size True": dict(page_size=lambda _: True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(METADATA_VARIANTS))
+def test_contract_metadata_variants_give_the_fresh_verdict(variant):
+    """After the base call passed (and was remembered), a call with other metadata gets
+    what it gets with nothing remembered: a table of other rows must not pass as the
+    checked one, a page outside the pool must still be named."""
+    query, pools, meta, kwargs = _base("v2")
+    arrays = {"block_table": meta.block_table, "context_lens": meta.context_lens, "page_size": meta.page_size}
+    changed = {**arrays, **{name: f(arrays[name]) for name, f in METADATA_VARIANTS[variant].items()}}
+
+    def call(*_, **kw):  # _outcome's arguments; the metadata is the changed one
+        return impl.paged_attention(query, *pools, changed["block_table"], changed["context_lens"],
+                                    changed["page_size"], **kw)
+
+    expected = _outcome(call, query, pools, _forgetting("contract", meta), kwargs)
+    checked._contract_memo.clear()
+    assert _outcome(_contract, query, pools, meta, kwargs)[0] == "computed"
+    for _ in range(2):
+        assert _outcome(call, query, pools, meta, kwargs) == expected
+
+
+def test_a_repeated_contract_call_checks_only_the_metadata(monkeypatch):
+    """Calls of one signature run check_arrays once; every call still checks the
+    metadata's values (a page outside the pool in a table of the remembered shape)."""
+    real, ran = checked.check_arrays, []
+
+    def counted(*args):
+        ran.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(checked, "check_arrays", counted)
+    query, pools, meta, kwargs = _base("v2")
+    checked._contract_memo.clear()
+    first = result_bits(_contract(query, *pools, meta, **kwargs))
+    for _ in range(3):
+        assert result_bits(_contract(query, *pools, meta, **kwargs)) == first
+    assert len(ran) == 1 and len(checked._contract_memo) == 1
+    bad = mx.full(meta.block_table.shape, meta.num_pages, dtype=mx.int32)
+    with pytest.raises(impl.ContractViolation) as err:
+        impl.paged_attention(query, *pools, bad, meta.context_lens, meta.page_size, **kwargs)
+    assert err.value.clause == "page_id" and len(ran) == 1
+
+
+def test_contract_signature_states_what_the_checks_read():
+    query, pools, meta, kwargs = _base("v2")
+    options = (None,) * len(checked.OPTIONS)
+    table, lens = meta.block_table, meta.context_lens
+
+    def key(t=table, n=lens, ps=meta.page_size):
+        return checked.contract_signature(query, *pools, t, n, ps, options)
+
+    assert key() == key() and key() is not None
+    assert key(t=table.astype(mx.int64)) != key() != key(n=lens.astype(mx.int64))
+    assert key(t=_two_rows(table)) != key() != key(n=_two_rows(lens))
+    assert key(t=mx.concatenate([table, table], axis=1)) != key()
+    assert key(t=table + 1) == key(n=lens + 1) == key()  # values are checked every call
+    assert key(ps=meta.page_size + 1) != key()
+    assert None is key(t=np.array(table)) is key(n=np.array(lens)) is key(ps=float(meta.page_size))
+    assert None is key(ps=np.int64(meta.page_size)) is key(ps=True)
+
+
+def test_contract_memo_drops_the_oldest():
+    query, pools, meta, kwargs = _base("v2")
+    checked._contract_memo.clear()
+    scales = [0.1 + i / 64 for i in range(checked.CONTRACT_LIMIT + 8)]
+    outs = {scale: result_bits(_contract(query, *pools, meta, **{**kwargs, "scale": scale})) for scale in scales}
+    remembered = {key[0][6][0] for key in checked._contract_memo}  # each key's scale
+    assert remembered == set(scales[-checked.CONTRACT_LIMIT:])
+    for scale, bits in outs.items():  # remembered or not, each call gives its own result
+        assert result_bits(_contract(query, *pools, meta, **{**kwargs, "scale": scale})) == bits
