@@ -129,7 +129,7 @@ def checked_contract_call(query, key_pages, value_pages, block_table, context_le
     CONTRACT_LIMIT dropped first). The metadata's dtypes and values are not among them:
     the caller checks those on every call."""
     key = contract_signature(query, key_pages, value_pages, block_table, context_lens, page_size, options)
-    hit = _contract_memo.get(key) if key is not None else None
+    hit = _contract_memo.get(key)  # no call is remembered under None
     if hit is not None:
         return hit[0], hit[1].with_arrays(options).opts
     pipeline = ScorePipeline(*options)

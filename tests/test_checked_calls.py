@@ -97,6 +97,8 @@ VARIANTS = {
     "sinks as numpy": ("v2", [], dict(sinks=lambda x: np.array(x))),
     "numpy sinks after numpy sinks": ("v2", [dict(sinks=lambda x: np.array(x))],
                                       dict(sinks=lambda x: np.array(x) * 2)),
+    "numpy sinks, then a bfloat16 query with numpy sinks": ("v2", [dict(sinks=lambda x: np.array(x))], dict(
+        sinks=lambda x: np.array(x), query=lambda q: q.astype(mx.bfloat16))),
     "no mask": ("v2", [], dict(mask=None)),
     "packed layout on float32": ("v2", [], dict(kv_layout="amx_packed")),
     "k_scale without kv_dtype": ("v2", [], dict(k_scale=0.5)),
@@ -146,16 +148,22 @@ def test_remembered_checks_give_the_fresh_verdict(variant, entry):
     assert _outcome(call, q, p, meta, kw) == expected
 
 
-def test_a_repeated_call_is_not_checked_again(monkeypatch):
-    """Every layer of a step after the first skips the checks; each metadata (a step)
-    checks its first call."""
-    real, ran = checked.check_call, []
+def _count_calls(monkeypatch, name) -> list:
+    """The argument tuples of every call of impl.checked's `name` from here on."""
+    real, ran = getattr(checked, name), []
 
     def counted(*args):
         ran.append(args)
         return real(*args)
 
-    monkeypatch.setattr(checked, "check_call", counted)
+    monkeypatch.setattr(checked, name, counted)
+    return ran
+
+
+def test_a_repeated_call_is_not_checked_again(monkeypatch):
+    """Every layer of a step after the first skips the checks; each metadata (a step)
+    checks its first call."""
+    ran = _count_calls(monkeypatch, "check_call")
     query, pools, meta, kwargs = _base("v2")
     first = result_bits(impl.paged_attention_now(query, *pools, meta, **kwargs))
     for _ in range(3):
@@ -280,13 +288,7 @@ def test_contract_metadata_variants_give_the_fresh_verdict(variant):
 def test_a_repeated_contract_call_checks_only_the_metadata(monkeypatch):
     """Calls of one signature run check_arrays once; every call still checks the
     metadata's values (a page outside the pool in a table of the remembered shape)."""
-    real, ran = checked.check_arrays, []
-
-    def counted(*args):
-        ran.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(checked, "check_arrays", counted)
+    ran = _count_calls(monkeypatch, "check_arrays")
     query, pools, meta, kwargs = _base("v2")
     checked._contract_memo.clear()
     first = result_bits(_contract(query, *pools, meta, **kwargs))
