@@ -83,8 +83,18 @@ inline __m512 load16(const typename E::T* p) {
   if constexpr (std::is_same_v<E, F32>) {
     return _mm512_loadu_ps(p);
   } else if constexpr (std::is_same_v<E, BF16>) {
+#if defined(__AVX512BW__)
+    // Element i to the high half of lane i, zeros below: one word permute where a widening
+    // and a shift took two vector ops per load (AMD machine, B 1 S 1024 pages of 16, 2
+    // threads: bf16 decode 0.179 -> 0.137-0.178 ms, slower than float32's 0.153 before).
+    const __m512i to_high = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0,
+                                             4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+    const __m512i h = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, to_high, h));
+#else
     const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+#endif
   } else if constexpr (std::is_same_v<E, F16>) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   } else if constexpr (std::is_same_v<E, I8>) {
