@@ -388,12 +388,7 @@ template <class E>
 inline void widen(const typename E::T* src, float* dst, int D) {
   int d = 0;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<E, BF16>) {
-    for (; d + kLanes <= D; d += kLanes) {
-      const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d)));
-      _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-    }
-  } else if constexpr (!std::is_same_v<E, F32>) {  // float16 and the quantized codes
+  if constexpr (!std::is_same_v<E, F32>) {  // the half types and the quantized codes
     for (; d + kLanes <= D; d += kLanes) _mm512_storeu_ps(dst + d, load16<E>(src + d));
   }
 #endif
