@@ -12,12 +12,12 @@
 
 namespace pagecheck {
 
-// A block's K or V rows as the blocked loops read them. Few rows per block (a decode
-// head's GQA group): in place, a half type widened in registers as each vector is
-// loaded, so no widening pass through memory. Many (prefill): widened once into
-// float32 scratch, then reused by every row group; float32 rows are copied there
-// only when they start mid cache line (read_in_place). Widening and copying are exact,
-// so every way gives the same bits.
+// A block's K rows as the score loop reads them. Few rows per block (a decode head's
+// GQA group): in place, a half type widened in registers as each vector is loaded, so
+// no widening pass through memory. Many (prefill, a decode's longer queries): widened
+// once into float32 scratch, then reused by every row group; float32 rows are copied
+// there only when they start mid cache line (read_in_place). Widening and copying are
+// exact, so every way gives the same bits.
 template <class E>
 struct BlockRows {
   using T = typename E::T;
@@ -36,11 +36,6 @@ struct BlockRows {
   void scores(const float* const* q, int nr, int D, float* const* out, const T* const* next) const {
     if (use_widened) scores16_rows<F32>(q, nr, widened, D, out);
     else scores16_rows<E>(q, nr, in_pool, D, out, next);
-  }
-  // weigh_rows over the keys first .. first + n - 1 of the block.
-  void weigh(int first, const float* const* p, int nr, int n, float* const* o, int D, const T* const* next) const {
-    if (use_widened) weigh_rows<F32>(widened + first, p, nr, n, o, D);
-    else weigh_rows<E>(in_pool + first, p, nr, n, o, D, next);
   }
 };
 
@@ -186,18 +181,23 @@ inline int value_span(int Dv) {
   return static_cast<int>(std::clamp<int64_t>(keys / kBlock * kBlock, kBlock, kChunk));
 }
 
-// The weighted values of one chunk when a head has few rows (a decode head's GQA group,
-// read in place): span by span of the chunk's keys (value_span), and within a span KV
-// head by KV head, the head's rows weigh all of the span's keys in one call, so their
-// outputs stay in registers across the span; block by block they were loaded and stored
-// again for every 16 keys, with a row grouping and a call per block. Every output element
+// The weighted values of one chunk for the decode schedule, its V rows read in place
+// (a half type widened in registers): span by span of the chunk's keys (value_span),
+// and within a span KV head by KV head, each group of a head's rows that see the same
+// keys of the span (weigh_in_groups) weighs all of them in one call, so their outputs
+// stay in registers across the span; block by block they were loaded and stored again
+// for every 16 keys, with a row grouping and a call per block. Every output element
 // still adds p_j v_j for j ascending, one fused multiply-add each onto the zeroed output:
 // the same bits. While a head computes it asks for the rows read next (the next head's
 // of the span, or the first head's of the next span; ask_next). On the AMD machine, 2
 // threads, medians in turns against the block walk: B 1 S 1024 pages of 16 f32 0.197 ->
 // 0.178 ms, bf16 0.190 -> 0.164, B 4 S 128 f32 0.105 -> 0.093, B 4 S 8192 bf16 7.07 ->
 // 6.36, f32 from memory within 3% (B 1 S 8192 pages of 128 2.24 -> 2.31, B 16 S 1024
-// 5.24 -> 5.27, B 4 S 8192 9.93 -> 9.67).
+// 5.24 -> 5.27, B 4 S 8192 9.93 -> 9.67). Queries of 4 rows (G 4 L 4: 16 rows a head,
+// whose blocks the block walk widened once for all of them), in one process against
+// that walk: B 4 S 1024 pages of 16 bf16 3.56 -> 2.62 ms, a mixed batch (half of it
+// L 4) bf16 1.96 -> 1.52, f32 2.79 -> 2.31, from memory (S 8192) bf16 16.9 -> 14.0,
+// f32 pages of 128 19.7 -> 17.1.
 template <class E>
 void weigh_in_spans(const Problem& pr, const typename E::T* vpool, const int64_t* off, int jlo, int jhi, int rows,
                     int heads, const int* clo, const int* chi, Scratch& s, float* o) {
@@ -242,10 +242,9 @@ void weigh_in_spans(const Problem& pr, const typename E::T* vpool, const int64_t
 // ml[2r+1] = l (0 when the row sees no key here), o[r*Dv ...]. K/V come in blocks of up
 // to 16 keys (for_blocks) so a block is loaded (and widened) once for all rows of the
 // GQA group, and each block asks for the next one while it computes (for_blocks_ahead).
-// The values: a head with few rows (decode) weighs them span by span (weigh_in_spans);
-// values_by_group: group by group over the whole chunk instead (weigh_by_group; for
-// callers with many rows per head whose K/V stay in cache); otherwise (many rows per
-// head, K/V from memory) block by block, each block widened once for all rows.
+// The values: span by span (weigh_in_spans, in place); values_by_group: group by group
+// over the whole chunk instead (weigh_by_group, widened once where a half type; for
+// callers with many rows per head whose K/V stay in cache: the prefill).
 // Keys a row cannot see are never used, and keys outside [jlo, jhi) never read: their
 // slots may hold NaN (REFERENCE.md invariant 9).
 template <class E>
@@ -335,23 +334,7 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     weigh_by_group<E>(pr, vpool, voff, jlo, jhi, rows, heads, clo, chi, s, o);
     return;
   }
-  if (!widen_once) {
-    weigh_in_spans<E>(pr, vpool, voff, jlo, jhi, rows, heads, clo, chi, s, o);
-    return;
-  }
-  for_blocks_ahead<E>(pr, vpool, voff, jlo, jhi, heads, value_stride, zero_row,
-                      [&](int h, int jb, int n, const T* const* next) {
-    const T* vh = vpool + h * value_stride;
-    block.point(vh, voff + (jb - jlo), n, Dv, widen_once, s);
-    // Rows that see the same keys [a, z) of this block share their V loads: gather
-    // them into groups of up to kRowBlock (a causal block has a few distinct spans;
-    // the GQA heads of one position always share theirs).
-    weigh_in_groups(h * per_head, (h + 1) * per_head, jb, jb + n, clo, chi, jlo, s.scores.data(), o, Dv,
-                    [&](const RowGroups::Group& g) {
-                      block.weigh(g.a - jb, g.p, g.n, g.z - g.a, g.o, Dv, next);
-                      next = nullptr;
-                    });
-  });
+  weigh_in_spans<E>(pr, vpool, voff, jlo, jhi, rows, heads, clo, chi, s, o);
 }
 
 // Clip every row's span to chunk c; returns the union [jlo, jhi) (empty: jlo >= jhi).
