@@ -11,23 +11,28 @@ from bench.grid import Spec
 from fixtures import paged_case
 
 
-def _prefill_gflops(repeats: int = 5) -> float:
-    """Best GFLOP/s of a small causal f32 prefill through the kernel (FLOPs as the grid counts them)."""
+def _prefill_gflops_and_peak(rounds: int = 5) -> tuple[float, float]:
+    """(best GFLOP/s of a small causal f32 prefill through the kernel, FLOPs as the grid
+    counts them; best FMA peak), measured in turns: a round of each, `rounds` times. Under
+    xdist another worker may load the machine for a while; timed one after the other, the
+    peak alone once read half its figure (116.8 GFLOP/s on 2 cores, 233 quiet) while the
+    prefill ran quiet, and the test failed on noise. In turns, each best comes from the
+    quiet rounds of both."""
     heads = dict(q_heads=8, kv_heads=2, head_dim=128)
     case = paged_case(context_lens=[512], query_len=512, page_size=16, dtype="float32", seed=3, **heads)
     flops = Spec("prefill", 1, 512, 16, "float32", 512).flops() * heads["q_heads"] // 32  # grid counts Hq 32
-    best = float("inf")
-    for _ in range(repeats):
+    best, peak = float("inf"), 0.0
+    for _ in range(rounds):
+        peak = max(peak, pagecheck_kernels.fma_peak_gflops(0.05))
         t0 = time.perf_counter()
         mx.eval(impl.paged_attention(case.query, case.key_pages, case.value_pages, case.block_table,
                                      case.context_lens, case.page_size))
         best = min(best, time.perf_counter() - t0)
-    return flops / best / 1e9
+    return flops / best / 1e9, peak
 
 
 def test_fma_peak_is_above_what_the_kernel_reaches():
-    peak = pagecheck_kernels.fma_peak_gflops(0.2)
-    achieved = _prefill_gflops()
+    achieved, peak = _prefill_gflops_and_peak()
     assert achieved > 0 and peak > achieved, f"FMA peak {peak:.1f} GFLOP/s under the kernel's own {achieved:.1f}"
 
 
