@@ -41,7 +41,7 @@ def _fake_paths(monkeypatch, seconds):
 @pytest.mark.parametrize("level", ["quick", "full"])
 def test_side_by_side_takes_turns(monkeypatch, level):
     """Each path gets rounds_for(warm-up) timed rounds, split evenly over the passes in
-    turns; every turn after the first pass starts with one untimed call."""
+    turns; every turn, the first pass's too, starts with one untimed call."""
     seconds = {"fast": 0.01, "mid": 0.05, "slow": 0.1}  # every path has rounds in every pass
     paths, log = _fake_paths(monkeypatch, seconds)
     times = timing.side_by_side(paths, level)
@@ -52,8 +52,8 @@ def test_side_by_side_takes_turns(monkeypatch, level):
     turns = [(p, [t for _, t in group]) for p, group in itertools.groupby(log[3:], key=lambda c: c[0])]
     passes = timing.PASSES[level]
     assert [p for p, _ in turns] == ["fast", "mid", "slow"] * passes, "one turn per path per pass, in order"
-    for i, (path, calls) in enumerate(turns):
-        assert calls.count(False) == (0 if i < 3 else 1) and (i < 3 or calls[0] is False)
+    for path, calls in turns:
+        assert calls.count(False) == 1 and calls[0] is False, f"{path}: not settled first"
     for path, rounds in want.items():
         shares = [calls.count(True) for p, calls in turns if p == path]
         assert sum(shares) == rounds and max(shares) - min(shares) <= 1, f"{path}: uneven split {shares}"
@@ -66,6 +66,17 @@ def test_side_by_side_slow_path_runs_once(monkeypatch):
     assert len(times["slow"]) == 1 and len(times["fast"]) == timing.rounds_for(0.01, "full")
     slow = [t for p, t in log if p == "slow"]
     assert slow.count(True) == 2 and slow.count(False) <= 1
+
+
+def test_side_by_side_times_no_round_beside_the_previous_paths_spinning(monkeypatch):
+    """Every turn, the first pass's included, starts with an untimed call, so no timed
+    round pays for the workers another path left spinning (the penalty lasts one call
+    here; timing.settle's calls cover the real one's ~10 ms)."""
+    costs = {"spinner": 1e-3, "kernel": 2e-3}
+    spinner, kernel = _spinning_clock(monkeypatch, costs, penalty=5e-3)
+    times = timing.side_by_side({"spinner": spinner, "kernel": kernel}, "quick")
+    for path, cost in costs.items():
+        assert times[path] and set(times[path]) == {cost}, f"{path} timed beside the other's spinning workers"
 
 
 def test_side_by_side_single_path_has_no_settle_calls(monkeypatch):
@@ -130,7 +141,7 @@ def _spinning_clock(monkeypatch, cost, penalty):
 
     monkeypatch.setattr(timing, "timed", lambda fn: fn())
     monkeypatch.setattr(timing, "settle", lambda fn: fn())  # one untimed call
-    return run("a"), run("b")
+    return tuple(run(path) for path in cost)
 
 
 def test_order_check_flags_a_kernel_charged_for_the_others_spinning(monkeypatch):

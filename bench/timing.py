@@ -21,7 +21,14 @@ another job lands on every path alike instead of on whichever path was running t
 Each turn starts with untimed calls for at least SETTLE_S (one call at least), so no path
 is timed on caches or beside spinning threads left behind by the previous one: torch's
 OpenMP workers keep spinning for milliseconds after a call, and an earlier attempt that
-alternated paths round by round measured whichever path came next 2-4x slower.
+alternated paths round by round measured whichever path came next 2-4x slower. The
+first pass's turns too: they follow the warm-ups and each other as closely as any
+later turn follows its predecessor. When the first pass went unsettled, pagecheck's
+decode right after the warm-ups (vLLM's and torch's among them) and `paged`'s first
+turn ran 6.6x slower for about 10 ms (B 1 S 128 bf16 on the AMD machine: 0.143 against
+0.022 ms; vLLM's op right after pagecheck's calls: unchanged, 0.019 ms), so a quarter
+of its rounds sat at the slow time and the quick grid's median read 0.037 ms for a call
+that takes 0.022.
 
 `order_check(a, b, rounds)` measures that effect for one pair (the report runs it for
 `paged` and `vllm_cpu`, whose idle workers both spin after a call): b's median over a's,
@@ -75,7 +82,8 @@ def side_by_side(runs: dict, level: str) -> dict:
     """{name: seconds of each timed round} for zero-argument callables timed in turns.
 
     Each is warmed up (timed, to size its rounds) first; then PASSES[level] passes give
-    every callable its share of rounds, untimed calls for SETTLE_S ahead of each share."""
+    every callable its share of rounds, untimed calls for SETTLE_S ahead of each share
+    (the first pass's included: module docstring)."""
     rounds = {name: rounds_for(timed(fn), level) for name, fn in runs.items()}
     times = {name: [] for name in runs}
     passes = PASSES[level]
@@ -84,7 +92,7 @@ def side_by_side(runs: dict, level: str) -> dict:
             share = rounds[name] * (i + 1) // passes - rounds[name] * i // passes
             if share == 0:
                 continue
-            if i > 0 and len(runs) > 1:
+            if len(runs) > 1:
                 settle(fn)
             times[name] += [timed(fn) for _ in range(share)]
     return times

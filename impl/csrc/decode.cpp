@@ -60,7 +60,7 @@ void finish_chunk_rows(const Problem& pr, const ChunkTask& task, const float* ml
 template <class E, class KV>
 void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T* kpool,
                 const typename KV::T* vpool, typename E::T* out, const std::vector<int>& live) {
-  const int G = pr.group(), L = pr.L, D = pr.D, Dv = pr.Dv, R = G * L, Hkv = pr.Hkv;
+  const int G = pr.group(), L = pr.L, Dv = pr.Dv, R = G * L, Hkv = pr.Hkv;
   std::vector<int> c_first(live.size()), c_count(live.size());
   int64_t chunk_items = 0;
   for (size_t i = 0; i < live.size(); ++i) {
