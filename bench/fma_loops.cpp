@@ -13,15 +13,21 @@
 // next block's lines as the kernel does (ask_next). Prints, per working set:
 //
 //   line                                    what
-//   scores <type> <KiB> KiB <rate> GFMA/s    s[r][k] = dot(q_r, k_k), 4 rows x 16 keys a block
-//   weigh <type> <KiB> KiB <rate> GFMA/s     o_r += p_r[k] v_k, 4 rows x 16 keys a block
-//   (type: f32 or bf16, the rows' element type; KiB: of those rows)
+//   scores <type> <KiB> KiB <rate> GFMA/s      s[r][k] = dot(q_r, k_k), 4 rows x 16 keys a block
+//   transposed <type> <KiB> KiB <rate> GFMA/s  the same scores from blocks transposed once
+//                                              (the prefill's loop: scores16_transposed)
+//   weigh <type> <KiB> KiB <rate> GFMA/s       o_r += p_r[k] v_k, 4 rows x 16 keys a block
+//   (type: f32 or bf16, the rows' element type; KiB: of those rows; the transposed
+//   blocks are float32, twice the KiB for bf16)
+//   same bits <type> yes|no                    the transposed scores of every block equal
+//                                              scores16_rows' bit for bit
 //
 // A rate counts 16-lane fused multiply-adds (a 4-row block of 16 keys is 512 of them in
 // each loop): a core's ceiling is pagecheck_kernels.fma_peak_gflops() / 32 per thread.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "blocks.h"
@@ -88,13 +94,40 @@ void run(const char* type, int blocks, int D, std::vector<float>& q, std::vector
   const double s = rate(pool, blocks, [&](const T* const* rows, const T* const* next) {
     scores16_rows<E>(qs, kRows, rows, D, ss, next);
   });
+  // Every block transposed once, as the prefill does before its row groups score it.
+  std::vector<float> tbuf(static_cast<size_t>(blocks) * kBlock * kD + 16);
+  float* tpool = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(tbuf.data()) + 63) / 64 * 64);
+  const auto transposed_block = [&](const T* const* rows) {
+    return tpool + (rows[0] - pool) / kD * kD;  // block b's rows start at row 16 b
+  };
+  bool same = true;
+  for (int b = 0; b < blocks; ++b) {
+    const T* rows[kBlock];
+    for (int k = 0; k < kBlock; ++k) rows[k] = pool + (static_cast<int64_t>(b) * kBlock + k) * kD;
+    transpose_block<E>(rows, D, transposed_block(rows));
+    float want[kRows][kBlock], got[kRows][kBlock];
+    float* wp[kRows];
+    float* gp[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      wp[r] = want[r];
+      gp[r] = got[r];
+    }
+    scores16_rows<E>(qs, kRows, rows, D, wp);
+    scores16_transposed_rows(qs, kRows, transposed_block(rows), D, gp);
+    same = same && std::memcmp(want, got, sizeof want) == 0;
+  }
+  const double t = rate(pool, blocks, [&](const T* const* rows, const T* const*) {
+    scores16_transposed_rows(qs, kRows, transposed_block(rows), D, ss);
+  });
   for (auto& p : scores) p = 1e-3f;
   const double w = rate(pool, blocks, [&](const T* const* rows, const T* const* next) {
     weigh_rows<E>(rows, ps, kRows, kBlock, os, D, next);
   });
   const int kib = static_cast<int>(int64_t{blocks} * kBlock * kD * static_cast<int>(sizeof(T)) / 1024);
   std::printf("scores %s %d KiB %.2f GFMA/s\n", type, kib, s);
+  std::printf("transposed %s %d KiB %.2f GFMA/s\n", type, kib, t);
   std::printf("weigh %s %d KiB %.2f GFMA/s\n", type, kib, w);
+  std::printf("same bits %s %s\n", type, same ? "yes" : "no");
 }
 
 }  // namespace
@@ -107,7 +140,10 @@ int main(int argc, char** argv) {
   // compiler specialize the loops into code the kernel does not run.
   volatile int head_dim = kD;
   const int D = head_dim;
-  std::vector<float> q(kRows * kD, 0.01f), scores(kRows * kBlock), out(kRows * kD, 0.f);
+  std::vector<float> q(kRows * kD), scores(kRows * kBlock), out(kRows * kD, 0.f);
+  // Query elements of both signs and many magnitudes, so that adding in other pairs
+  // than the fold's would show in the "same bits" line.
+  for (int i = 0; i < kRows * kD; ++i) q[i] = 0.01f * static_cast<float>((i * 37) % 23 - 11) * (1.f + 0.1f * (i % 7));
   for (const int kib : sizes_kib) {
     const int64_t bytes = int64_t{kib} * 1024;
     run<F32>("f32", std::max<int>(1, static_cast<int>(bytes / (kBlock * kD * 4))), D, q, scores, out);

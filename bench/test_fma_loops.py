@@ -2,13 +2,16 @@
 on float32 and bfloat16 rows: built with the kernels' own flags, it reports every loop at
 every working set with a rate (the figures, not judged here: a shared machine), the float32
 score loop's machine code loads each K and query vector once per step, and the bfloat16
-one widens each K vector with one word permute.
+one widens each K vector with one word permute; the prefill's score loop on transposed
+blocks gives the fold's bits with no shuffle.
 
 | symptom                                                        | caught by |
 |----------------------------------------------------------------|-----------|
 | GCC folds the K loads into the FMAs (20 loads per 16 FMAs)     | test_score_loop_loads_each_vector_once |
 | scores16_block inlined into attend_chunk, where it spills      | test_score_loop_loads_each_vector_once (no such function) |
 | bf16 rows widened by a zero-extension and a shift (two vector ops a load, not one) | test_bf16_rows_widen_with_one_permute |
+| the transposed score loop adds a key's partial sums in other pairs than the fold | test_transposed_scores_have_the_fold_bits |
+| the transposed score loop shuffles (the fold it exists to remove) | test_transposed_score_loop_has_no_shuffle |
 """
 
 import re
@@ -23,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # the loop's code is only the kernel's when it is compiled as the kernel is.
 KERNEL_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-march=native", "-mprefer-vector-width=512"]
 SCORE_LOOP = "void pagecheck::scores16_block<pagecheck::{}, 4>("  # .format(element type)
+TRANSPOSED_LOOP = "void pagecheck::scores16_transposed<4>("
+LOOPS = ("scores", "transposed", "weigh")
 SIZES_KIB = ("32", "512")
 
 
@@ -42,14 +47,37 @@ def program(tmp_path_factory):
 def test_every_loop_reports_a_rate(program):
     run = subprocess.run([str(program), *SIZES_KIB], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    rates = re.findall(r"^(scores|weigh) (f32|bf16) (\d+) KiB ([0-9.]+) GFMA/s$", run.stdout, re.M)
+    rates = re.findall(r"^(scores|transposed|weigh) (f32|bf16) (\d+) KiB ([0-9.]+) GFMA/s$", run.stdout, re.M)
     assert [line[:3] for line in rates] == [(loop, dtype, kib) for kib in SIZES_KIB for dtype in ("f32", "bf16")
-                                            for loop in ("scores", "weigh")], run.stdout
+                                            for loop in LOOPS], run.stdout
     assert all(float(line[3]) > 0 for line in rates), run.stdout
 
 
-def score_loop_code(exe: Path, element: str = "F32") -> list[str]:
-    """The instructions of scores16_block<element, 4> in `exe`, or [] where it has no such function."""
+def test_transposed_scores_have_the_fold_bits(program):
+    """Every block's scores from its transposed copy equal scores16_rows' bit for bit, f32
+    and bf16 rows (the prefill's bits, and so invariant 8, rest on it)."""
+    run = subprocess.run([str(program), *SIZES_KIB], capture_output=True, text=True, timeout=120)
+    same = re.findall(r"^same bits (f32|bf16) (yes|no)$", run.stdout, re.M)
+    assert same == [(dtype, "yes") for _ in SIZES_KIB for dtype in ("f32", "bf16")], run.stdout
+
+
+def test_transposed_score_loop_has_no_shuffle(program):
+    """scores16_transposed<4> is a function of its own whose multiply-adds take each K
+    vector from a register and whose fold is vertical adds: no shuffle, permute or unpack
+    (the fold it replaces took about 30 a row per 16 keys)."""
+    code = score_loop_code(program, loop=TRANSPOSED_LOOP)
+    assert code, f"{TRANSPOSED_LOOP}...) is not a function of its own in the build (inlined?)"
+    fmas = [line for line in code if re.search(r"\bvfmadd\d+ps\b", line)]
+    assert len(fmas) >= 8, "\n".join(code)
+    shuffles = [line for line in code if re.search(r"\bv(shuf|perm|unpck|pshuf|align)\w*", line)]
+    assert not shuffles, "shuffles in the transposed score loop:\n" + "\n".join(shuffles)
+    k_from_memory = [line for line in fmas if "(%" in line and "{1to16}" not in line]
+    assert not k_from_memory, "multiply-adds that load a K vector:\n" + "\n".join(k_from_memory)
+
+
+def score_loop_code(exe: Path, element: str = "F32", loop: str = SCORE_LOOP) -> list[str]:
+    """The instructions of `loop` (scores16_block<element, 4> by default) in `exe`, or []
+    where it has no such function."""
     if shutil.which("objdump") is None:
         pytest.skip("no objdump to read the score loop's code")
     listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(exe)], capture_output=True,
@@ -57,7 +85,7 @@ def score_loop_code(exe: Path, element: str = "F32") -> list[str]:
     body, inside = [], False
     for line in listing.splitlines():
         if line.endswith(">:"):
-            inside = SCORE_LOOP.format(element) in line
+            inside = loop.format(element) in line
         elif inside and line.strip():
             body.append(line)
     return body

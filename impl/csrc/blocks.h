@@ -227,6 +227,98 @@ __attribute__((noinline)) void scores16_block(const float* const* q, const typen
   for (int r = 0; r < NR; ++r) _mm512_storeu_ps(s[r], fold_singles(pair[r][0], pair[r][1]));
 }
 
+// r[i][j] <- r[j][i]: a 16 x 16 block of floats transposed in registers (lanes, then
+// pairs of lanes, then 128-bit quarters, then halves; 64 shuffles).
+inline void transpose16(__m512* r) {
+  __m512 t[kLanes];
+  for (int i = 0; i < kLanes; i += 2) {  // t[i], t[i+1]: r[i], r[i+1] lane by lane
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < kLanes; i += 4) {  // pairs of lanes from t[i], t[i+2] and t[i+1], t[i+3]
+    for (int j = 0; j < 2; ++j) {
+      const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
+      r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit quarters 0 and 2 / 1 and 3 of rows i, i+4 (and i+8, i+12)
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// A block's 16 K rows transposed into kt (D x 16 floats, 64-byte aligned; D % 16 == 0):
+// kt[d * 16 + k] = rows[k][d], widened to float32 (exact) as they are loaded.
+template <class E>
+inline void transpose_block(const typename E::T* const* rows, int D, float* kt) {
+  for (int d0 = 0; d0 < D; d0 += kLanes) {
+    __m512 r[kBlock];
+    for (int k = 0; k < kBlock; ++k) r[k] = load16<E>(rows[k] + d0);
+    transpose16(r);
+    for (int i = 0; i < kLanes; ++i) _mm512_store_ps(kt + static_cast<int64_t>(d0 + i) * kBlock, r[i]);
+  }
+}
+
+// scores16_block's bits from a transposed block (transpose_block): lane k of a vector
+// is key k, so each of the 16 partial sums of every key (lane l of scores16's
+// accumulator: d = l, l + 16, ..., one FMA each from zero) is a vector of its own, and
+// the fold's tree, (l, l + 8), then + 4, + 2, + 1, becomes vertical adds in the same
+// pairs: no shuffle at all (the fold took about 30 a row per 16 keys against 128
+// multiply-adds). The leaves go 0, 4, 2, 6, 1, 5, 3, 7 (bit-reversed), each summed with
+// its partner l + 8 as soon as both are done, so a row holds at most three partial sums
+// (hw, qw, pw) beside its two running ones: 22 vectors for 4 rows. Each K vector serves
+// every row; each query element is broadcast from memory by its FMA.
+template <int NR>
+__attribute__((noinline)) void scores16_transposed(const float* const* q, const float* kt, int D,
+                                                   float* const* s) {
+  __m512 hw[NR], qw[NR], pw[NR];
+  const int steps = D / kLanes;
+#pragma GCC unroll 1
+  for (int leaf = 0; leaf < 8; ++leaf) {
+    const int l = ((leaf & 1) << 2) | (leaf & 2) | (leaf >> 2);  // 3-bit reversal
+    __m512 a[NR], b[NR];  // lanes l and l + 8 of every key
+    for (int r = 0; r < NR; ++r) a[r] = b[r] = _mm512_setzero_ps();
+    for (int t = 0; t < steps; ++t) {
+      const int d = l + kLanes * t;
+      __m512 ka = _mm512_load_ps(kt + static_cast<int64_t>(d) * kBlock);
+      __m512 kb = _mm512_load_ps(kt + static_cast<int64_t>(d + 8) * kBlock);
+      in_register(ka);
+      in_register(kb);
+      for (int r = 0; r < NR; ++r) {
+        a[r] = fma16(_mm512_set1_ps(q[r][d]), ka, a[r]);
+        b[r] = fma16(_mm512_set1_ps(q[r][d + 8]), kb, b[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 h = _mm512_add_ps(a[r], b[r]);  // halves: lane l + lane l + 8
+      switch (leaf) {
+        case 0: case 2: case 4: case 6: hw[r] = h; break;           // waits for l + 4
+        case 1: case 5: qw[r] = _mm512_add_ps(hw[r], h); break;     // quarters 0, 1
+        case 3: pw[r] = _mm512_add_ps(qw[r], _mm512_add_ps(hw[r], h)); break;  // pair 0
+        default:  // pair 1, then singles: pair 0 + pair 1
+          _mm512_storeu_ps(s[r], _mm512_add_ps(pw[r], _mm512_add_ps(qw[r], _mm512_add_ps(hw[r], h))));
+      }
+    }
+  }
+}
+
+// scores16_transposed for nr <= kRowBlock rows.
+inline void scores16_transposed_rows(const float* const* q, int nr, const float* kt, int D, float* const* s) {
+  switch (nr) {
+    case 1: scores16_transposed<1>(q, kt, D, s); return;
+    case 2: scores16_transposed<2>(q, kt, D, s); return;
+    case 3: scores16_transposed<3>(q, kt, D, s); return;
+    default: scores16_transposed<4>(q, kt, D, s); return;
+  }
+}
+
 // NR rows x NV output vectors (columns d0 .. d0 + 16 NV) in registers across the keys.
 template <class E, int NR, int NV>
 inline void weigh_block(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int d0,

@@ -12,20 +12,41 @@
 
 namespace pagecheck {
 
+// Rows of one KV head that see a block from which its K rows are transposed once
+// (transpose_block, scores16_transposed): the transposition costs about 770 vector ops a
+// block of D 128 (per 16 x 16: 16 loads, 64 shuffles, 16 stores), the fold it saves 45
+// a row (30 shuffles, 15 adds), so it pays from a few dozen rows and is left to the
+// prefill (64 positions x G rows a head). Prefill L = S = 2048 f32
+// pages of 128, 2 threads (perf): the score loop's share 42% -> 37.5% of the call.
+constexpr int kTransposeRows = 64;
+
 // A block's K rows as the score loop reads them. Few rows per block (a decode head's
 // GQA group): in place, a half type widened in registers as each vector is loaded, so
-// no widening pass through memory. Many (prefill, a decode's longer queries): widened
-// once into float32 scratch, then reused by every row group; float32 rows are copied
-// there only when they start mid cache line (read_in_place). Widening and copying are
-// exact, so every way gives the same bits.
+// no widening pass through memory. Many (a decode's longer queries): widened once into
+// float32 scratch, then reused by every row group; float32 rows are copied there only
+// when they start mid cache line (read_in_place). At least kTransposeRows (a prefill):
+// transposed once into scratch, widened as it goes. Widening, copying and transposing
+// are exact and the transposed loop adds in the fold's pairs, so every way gives the
+// same bits.
 template <class E>
 struct BlockRows {
   using T = typename E::T;
   const T* in_pool[kBlock];
   const float* widened[kBlock];
   bool use_widened = false;
+  const float* transposed = nullptr;  // D x 16 (transpose_block), or null
 
-  void point(const T* pool, const int64_t* off, int n, int D, bool widen_once, Scratch& s) {
+  void point(const T* pool, const int64_t* off, int n, int D, int rows_per_head, Scratch& s) {
+    transposed = nullptr;
+#if defined(__AVX512F__)
+    if (rows_per_head >= kTransposeRows && D % kLanes == 0) {
+      pool_rows<E>(pool, off, n, s.zero_row<T>(), in_pool);
+      transpose_block<E>(in_pool, D, s.block.data());
+      transposed = s.block.data();
+      return;
+    }
+#endif
+    const bool widen_once = rows_per_head > kRowBlock;
     use_widened = widen_once && !read_in_place<E>(pool + off[0], D);
     if (use_widened) widen_rows<E>(pool, off, n, D, s.block.data(), s.zeros.data(), widened);
     else pool_rows<E>(pool, off, n, s.zero_row<T>(), in_pool);
@@ -34,6 +55,9 @@ struct BlockRows {
   // computes (ask_next), or null. A widened block is reused by many row groups, so its
   // loads are few and it asks for nothing.
   void scores(const float* const* q, int nr, int D, float* const* out, const T* const* next) const {
+#if defined(__AVX512F__)
+    if (transposed) return scores16_transposed_rows(q, nr, transposed, D, out);
+#endif
     if (use_widened) scores16_rows<F32>(q, nr, widened, D, out);
     else scores16_rows<E>(q, nr, in_pool, D, out, next);
   }
@@ -256,7 +280,6 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   const int D = pr.D, Dv = pr.Dv, per_head = rows / heads;
   const int64_t stride = Scratch::kScoreStride;
   const int64_t head_stride = pr.head_slice();
-  const bool widen_once = per_head > kRowBlock;  // see BlockRows
   const int64_t value_stride = pr.value_slice();
   BlockRows<E> block;
   for (int r = 0; r < rows; ++r) {
@@ -278,7 +301,7 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, head_stride, zero_row,
                       [&](int h, int jb, int n, const T* const* next) {
     const T* kh = kpool + h * head_stride;
-    block.point(kh, off + (jb - jlo), n, D, widen_once, s);
+    block.point(kh, off + (jb - jlo), n, D, per_head, s);
     // A float32 value pass that copies the chunk's V rows after the softmax (pool rows
     // that start mid cache line, as MLX's do) gets them from L2 instead of L3 when they
     // are asked for now: L 2048 prefill, 2 threads, 120.4 -> 117.9 ms. Measured and left
