@@ -46,14 +46,17 @@ namespace {
 constexpr int kD = 128, kRows = 4;
 constexpr double kSeconds = 0.25;  // per measurement
 
+// Block b's 16 rows of `pool`.
+template <class T>
+void rows_of(const T* pool, int b, const T** rows) {
+  for (int k = 0; k < kBlock; ++k) rows[k] = pool + (static_cast<int64_t>(b) * kBlock + k) * kD;
+}
+
 // Runs `loop(rows, next)` on every block of `blocks` in `pool` (its 16 rows, and the
 // next block's, which the loop asks for) until kSeconds have passed; returns GFMA/s (512
 // FMAs a block).
 template <class T, class Loop>
 double rate(const T* pool, int blocks, Loop&& loop) {
-  const auto rows_of = [&](int b, const T** rows) {
-    for (int k = 0; k < kBlock; ++k) rows[k] = pool + (static_cast<int64_t>(b) * kBlock + k) * kD;
-  };
   int64_t done = 0;
   const auto t0 = Clock::now();
   double t = 0;
@@ -61,8 +64,8 @@ double rate(const T* pool, int blocks, Loop&& loop) {
     for (int b = 0; b < blocks; ++b) {
       const T* rows[kBlock];
       const T* next[kBlock];
-      rows_of(b, rows);
-      rows_of((b + 1) % blocks, next);
+      rows_of(pool, b, rows);
+      rows_of(pool, (b + 1) % blocks, next);
       loop(rows, next);
     }
     done += blocks;
@@ -103,7 +106,7 @@ void run(const char* type, int blocks, int D, std::vector<float>& q, std::vector
   bool same = true;
   for (int b = 0; b < blocks; ++b) {
     const T* rows[kBlock];
-    for (int k = 0; k < kBlock; ++k) rows[k] = pool + (static_cast<int64_t>(b) * kBlock + k) * kD;
+    rows_of(pool, b, rows);
     transpose_block<E>(rows, D, transposed_block(rows));
     float want[kRows][kBlock], got[kRows][kBlock];
     float* wp[kRows];
