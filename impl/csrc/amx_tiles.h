@@ -1,6 +1,7 @@
 // The AMX tile instructions as the tile path (amx.cpp) uses them: fixed tile registers,
-// C[i][j] += A[i] B[j] over steps for up to 2 x 2 tiles, and the 16 x 16 transpose that
-// packs key blocks. Only for builds with the tile path (PAGECHECK_AMX_BUILD).
+// C[i][j] += A[i] B[j] over steps for up to 2 x 2 tiles (the 16 x 16 transpose that packs
+// key blocks is blocks.h's transpose16). Only for builds with the tile path
+// (PAGECHECK_AMX_BUILD).
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,8 @@
 #if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PAGECHECK_AMX_BUILD 1
 #include <immintrin.h>
+
+#include "blocks.h"  // transpose16
 
 namespace pagecheck {
 
@@ -75,32 +78,6 @@ inline void with_shape(int na, int nb, F&& f) {
     if (nb == 2) f.template operator()<1, 2>();
     else f.template operator()<1, 1>();
   }
-}
-
-// In-place transpose of 16 x 16 32-bit elements: r[i] lane k becomes r[k] lane i.
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {  // pairs of rows: (a0 b0 a1 b1 | a2 b2 a3 b3) per 128-bit lane
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + e], lane L: rows 4i .. 4i + 3 of column 4L + e
-    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  __m512i out[16];
-  for (int e = 0; e < 4; ++e) {  // column 4L + e gathers lane L of r[e], r[4 + e], r[8 + e], r[12 + e]
-    const __m512i ab_lo = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), ab_hi = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
-    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44),
-                  cd_hi = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
-    out[e] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
-    out[4 + e] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
-    out[8 + e] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
-    out[12 + e] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = out[i];
 }
 
 }  // namespace pagecheck

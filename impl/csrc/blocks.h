@@ -227,31 +227,31 @@ __attribute__((noinline)) void scores16_block(const float* const* q, const typen
   for (int r = 0; r < NR; ++r) _mm512_storeu_ps(s[r], fold_singles(pair[r][0], pair[r][1]));
 }
 
-// r[i][j] <- r[j][i]: a 16 x 16 block of floats transposed in registers (lanes, then
-// pairs of lanes, then 128-bit quarters, then halves; 64 shuffles).
-inline void transpose16(__m512* r) {
-  __m512 t[kLanes];
-  for (int i = 0; i < kLanes; i += 2) {  // t[i], t[i+1]: r[i], r[i+1] lane by lane
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+// In-place transpose of 16 x 16 32-bit elements: r[i] lane k becomes r[k] lane i (the
+// tile path packs key blocks with it, transpose_block scores prefill blocks from it).
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // pairs of rows: (a0 b0 a1 b1 | a2 b2 a3 b3) per 128-bit lane
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
-  for (int i = 0; i < kLanes; i += 4) {  // pairs of lanes from t[i], t[i+2] and t[i+1], t[i+3]
-    for (int j = 0; j < 2; ++j) {
-      const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
-      r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-      r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    }
+  for (int i = 0; i < 4; ++i) {  // r[4i + e], lane L: rows 4i .. 4i + 3 of column 4L + e
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
   }
-  for (int i = 0; i < 4; ++i) {  // 128-bit quarters 0 and 2 / 1 and 3 of rows i, i+4 (and i+8, i+12)
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  __m512i out[16];
+  for (int e = 0; e < 4; ++e) {  // column 4L + e gathers lane L of r[e], r[4 + e], r[8 + e], r[12 + e]
+    const __m512i ab_lo = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), ab_hi = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44),
+                  cd_hi = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+    out[e] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+    out[4 + e] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+    out[8 + e] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+    out[12 + e] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
   }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
+  for (int i = 0; i < 16; ++i) r[i] = out[i];
 }
 
 // A block's 16 K rows transposed into kt (D x 16 floats, 64-byte aligned; D % 16 == 0):
@@ -259,10 +259,11 @@ inline void transpose16(__m512* r) {
 template <class E>
 inline void transpose_block(const typename E::T* const* rows, int D, float* kt) {
   for (int d0 = 0; d0 < D; d0 += kLanes) {
-    __m512 r[kBlock];
-    for (int k = 0; k < kBlock; ++k) r[k] = load16<E>(rows[k] + d0);
+    __m512i r[kBlock];
+    for (int k = 0; k < kBlock; ++k) r[k] = _mm512_castps_si512(load16<E>(rows[k] + d0));
     transpose16(r);
-    for (int i = 0; i < kLanes; ++i) _mm512_store_ps(kt + static_cast<int64_t>(d0 + i) * kBlock, r[i]);
+    for (int i = 0; i < kLanes; ++i)
+      _mm512_store_ps(kt + static_cast<int64_t>(d0 + i) * kBlock, _mm512_castsi512_ps(r[i]));
   }
 }
 
