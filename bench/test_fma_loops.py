@@ -44,21 +44,26 @@ def program(tmp_path_factory):
     return exe
 
 
-def test_every_loop_reports_a_rate(program):
+@pytest.fixture(scope="module")
+def output(program):
+    """What one run over SIZES_KIB prints (every loop timed; a few seconds)."""
     run = subprocess.run([str(program), *SIZES_KIB], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    rates = re.findall(r"^(scores|transposed|weigh) (f32|bf16) (\d+) KiB ([0-9.]+) GFMA/s$", run.stdout, re.M)
+    return run.stdout
+
+
+def test_every_loop_reports_a_rate(output):
+    rates = re.findall(r"^(scores|transposed|weigh) (f32|bf16) (\d+) KiB ([0-9.]+) GFMA/s$", output, re.M)
     assert [line[:3] for line in rates] == [(loop, dtype, kib) for kib in SIZES_KIB for dtype in ("f32", "bf16")
-                                            for loop in LOOPS], run.stdout
-    assert all(float(line[3]) > 0 for line in rates), run.stdout
+                                            for loop in LOOPS], output
+    assert all(float(line[3]) > 0 for line in rates), output
 
 
-def test_transposed_scores_have_the_fold_bits(program):
+def test_transposed_scores_have_the_fold_bits(output):
     """Every block's scores from its transposed copy equal scores16_rows' bit for bit, f32
     and bf16 rows (the prefill's bits, and so invariant 8, rest on it)."""
-    run = subprocess.run([str(program), *SIZES_KIB], capture_output=True, text=True, timeout=120)
-    same = re.findall(r"^same bits (f32|bf16) (yes|no)$", run.stdout, re.M)
-    assert same == [(dtype, "yes") for _ in SIZES_KIB for dtype in ("f32", "bf16")], run.stdout
+    same = re.findall(r"^same bits (f32|bf16) (yes|no)$", output, re.M)
+    assert same == [(dtype, "yes") for _ in SIZES_KIB for dtype in ("f32", "bf16")], output
 
 
 def test_transposed_score_loop_has_no_shuffle(program):
