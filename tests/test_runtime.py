@@ -162,3 +162,64 @@ def test_resizing_between_calls_never_hangs_or_changes_bits():
     out = subprocess.run([sys.executable, "-c", RESIZE_STRESS], capture_output=True, text=True, timeout=60,
                          cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+HELD_WORKERS = """
+import impl, pagecheck_kernels
+from fixtures import bits, paged_case
+cases = [paged_case(context_lens=[600, 0, 33], query_len=1, q_heads=4, kv_heads=2, head_dim=16, page_size=8, seed=52),
+         paged_case(context_lens=[300, 70], query_len=70, q_heads=4, kv_heads=2, head_dim=16, page_size=16, seed=53)]
+def now(case):
+    meta = impl.PagedMetadata.build(case.block_table, case.context_lens, page_size=case.page_size,
+                                    num_pages=case.key_pages.shape[0], query_len=case.query.shape[2])
+    return bits(impl.paged_attention_now(case.query, case.key_pages, case.value_pages, meta))
+def both(case):
+    return bits(case.run(impl.paged_attention)), now(case)
+impl.set_num_threads(1)
+expected = [both(case) for case in cases]
+impl.set_num_threads(3)
+pagecheck_kernels.hold_workers(True)
+before = pagecheck_kernels.worker_items()
+for i in range(200):
+    for case, want in zip(cases, expected):
+        assert both(case) == want, f"held, call {i}"
+assert pagecheck_kernels.worker_items() == before, "a held worker ran items"
+pagecheck_kernels.hold_workers(False)
+for case, want in zip(cases, expected):
+    assert both(case) == want, "released"
+print("ok")
+"""
+
+
+def test_a_call_never_waits_for_a_worker_that_never_runs():
+    """The caller runs every item no worker claimed and waits only for claimed ones: with
+    the workers held (as if the OS never gave them a core), decodes with a merge loop and a
+    prefill, lazy and eager, finish in the calling thread with the 1-worker bits. The
+    pool used to wait for every worker to check in to each loop, so a loaded machine's
+    small calls waited for a time slice, and held workers hung it (hence the subprocess)."""
+    out = subprocess.run([sys.executable, "-c", HELD_WORKERS], capture_output=True, text=True, timeout=30,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+LONG_ITEMS = """
+import impl
+from fixtures import bits, paged_case
+case = paged_case(context_lens=[640, 512], query_len=512, q_heads=8, kv_heads=2, head_dim=64, page_size=16, seed=54)
+impl.set_num_threads(1)
+expected = bits(case.run(impl.paged_attention))
+impl.set_num_threads(3)
+for i in range(20):
+    assert bits(case.run(impl.paged_attention)) == expected, f"call {i}"
+print("ok")
+"""
+
+
+def test_a_call_waits_for_the_long_items_workers_hold():
+    """Prefill items take longer than the caller's spin, so a caller whose own items are
+    done sleeps until a worker's last one is: the worker that finishes it must wake it
+    (a lost wake-up hangs the call, hence the subprocess), and the call returns the
+    1-worker bits."""
+    out = subprocess.run([sys.executable, "-c", LONG_ITEMS], capture_output=True, text=True, timeout=30,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -84,6 +84,10 @@ NB_MODULE(_kernels, m) {
         "How many pool updates had to copy a whole pool (0 on the in-place path).");
   m.def("num_threads", &pagecheck::num_threads, "Worker threads used by the kernels.");
   m.def("set_num_threads", &pagecheck::set_num_threads, "n"_a, "Set the kernels' worker count.");
+  m.def("hold_workers", &pagecheck::hold_workers, "held"_a,
+        "For tests: while held, the worker threads take no work (as if never scheduled); calls run in "
+        "the calling thread alone.");
+  m.def("worker_items", &pagecheck::worker_items, "For tests: items run by worker threads, not callers, so far.");
   m.def("amx_supported", &pagecheck::amx_supported,
         "Whether bfloat16 calls can run on AMX tiles here (build, CPU and Linux all allow it).");
   m.def("amx_enabled", &pagecheck::amx_enabled, "Whether bfloat16 calls run on AMX tiles now.");

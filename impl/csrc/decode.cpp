@@ -6,11 +6,13 @@
 // by every query head that shares it (GQA), and it walks each page's heads in address
 // order, so it streams whole pages rather than one head's slice of each (all KV heads
 // per item; fewer only when there would be too few items to keep the threads busy).
-// Chunk states land in a per-(b, c, g) slot; the merge pass reads a (b, g)'s slots in
-// ascending c, so neither the thread count, the head runs nor the other requests can
+// Chunk states land in a per-(b, c, g) slot; the task that finishes a (b, head run)'s
+// last chunk, whichever chunk that is, merges the run's slots in ascending c, so neither
+// the thread count, the head runs, the finishing order nor the other requests can
 // change the order of any floating-point operation. A bfloat16 call on AMX tiles
 // attends its chunks with amx_attend_chunk instead (amx.h), as the prefill does.
 #include <algorithm>
+#include <atomic>
 
 #include "amx.h"
 #include "chunk.h"
@@ -24,12 +26,16 @@ namespace {
 struct ChunkTask {
   int b, c, g0, heads;
   int64_t slot;  // state slot of (b, c, g0); the item's heads follow it
+  int run;       // the (b, head run) whose chunks it shares: runs[run]
 };
 
-struct MergeGroup {
-  int64_t first_slot;  // slot of (b, first chunk, g); the next chunk is Hkv slots on
+// One request's head run over all of its chunks: merged by the task that finishes the
+// last of them (`left` counts down). The merge used to be a second parallel loop, a
+// wake-up and join of every worker of its own.
+struct HeadRun {
+  int64_t first_slot;  // slot of (b, first chunk, g0); the next chunk is Hkv slots on
   int chunks;
-  int b, g;
+  std::atomic<int> left;
 };
 
 // KV heads per work item: all of them, halved while the items would number fewer
@@ -41,8 +47,8 @@ int heads_per_task(int64_t chunk_items, int Hkv) {
   return heads;
 }
 
-// The rows of a one-chunk request, finished by the chunk's own task: the merge pass
-// would copy its single state unchanged (merge_state; a row that saw no key keeps l = 0,
+// The rows of a one-chunk request, finished by the chunk's own task without the merge,
+// which would copy its single state unchanged (merge_state; a row that saw no key keeps l = 0,
 // and finish_query_row reads no m then), so this is the merge's arithmetic on the same
 // values.
 template <class E>
@@ -73,14 +79,22 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
     chunk_items += c_count[i];
   }
   const int run = heads_per_task(chunk_items, Hkv);
+  const int runs_per_request = (Hkv + run - 1) / run;
   std::vector<ChunkTask> tasks;
-  std::vector<MergeGroup> groups;
+  std::vector<HeadRun> runs(live.size() * runs_per_request);
   int64_t slots = 0;
   for (size_t i = 0; i < live.size(); ++i) {
-    for (int g = 0; g < Hkv; ++g) groups.push_back({slots + g, c_count[i], live[i], g});
+    for (int k = 0; k < runs_per_request; ++k) {
+      HeadRun& hr = runs[i * runs_per_request + k];
+      hr.first_slot = slots + k * run;
+      hr.chunks = c_count[i];
+      hr.left.store(c_count[i], std::memory_order_relaxed);
+    }
     for (int c = 0; c < c_count[i]; ++c) {
-      for (int g0 = 0; g0 < Hkv; g0 += run) {
-        tasks.push_back({live[i], c_first[i] + c, g0, std::min(run, Hkv - g0), slots + g0});
+      for (int k = 0; k < runs_per_request; ++k) {
+        const int g0 = k * run;
+        tasks.push_back({live[i], c_first[i] + c, g0, std::min(run, Hkv - g0), slots + g0,
+                         static_cast<int>(i) * runs_per_request + k});
       }
       slots += Hkv;
     }
@@ -88,10 +102,6 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
   AlignedVector<float> part_ml(slots * R * 2), part_o(slots * R * Dv);
   // The tiles take bfloat16 pools; a quantized one runs the FMA path.
   const bool tiles = std::is_same_v<E, BF16> && std::is_same_v<KV, BF16> && amx_applies(pr);
-  // When every context fits one chunk, each task finishes its own rows and the merge
-  // pass, a second wake-up and join of every worker, is skipped (B 1 S 128: most of the
-  // kernel's time is these fixed costs).
-  const bool one_chunk = std::all_of(c_count.begin(), c_count.end(), [](int c) { return c == 1; });
 
   parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
     const ChunkTask& task = tasks[t];
@@ -131,23 +141,26 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
       attend_chunk<KV>(kv.pr, kv.k, kv.v, kv.off, kv.voff, jlo, jhi, s.q32.data(), rows, task.heads, s.clo.data(),
                        s.chi.data(), s, ml, o);
     }
-    if (one_chunk) finish_chunk_rows<E>(pr, task, ml, o, out);
-  });
-  if (one_chunk) return;
-
-  parallel_for(static_cast<int64_t>(groups.size()), [&](int64_t gi) {
-    const MergeGroup& group = groups[gi];
-    Scratch& s = Scratch::local();
-    s.reserve(R, pr);
-    for (int r = 0; r < R; ++r) {
-      float m = kNegInf, l = 0.f;
-      float* o = s.acc_o.data();
-      for (int c = 0; c < group.chunks; ++c) {
-        const int64_t slot = (group.first_slot + static_cast<int64_t>(c) * Hkv) * R + r;
-        merge_state(m, l, o, part_ml[2 * slot], part_ml[2 * slot + 1], part_o.data() + slot * Dv, Dv,
-                    pr.qk_scale);
+    HeadRun& hr = runs[task.run];
+    if (hr.chunks == 1) {
+      finish_chunk_rows<E>(pr, task, ml, o, out);
+      return;
+    }
+    // The last chunk of the run to finish merges it: acq_rel, so this task sees the
+    // states the other chunks' tasks wrote before their own count-down.
+    if (hr.left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    for (int h = 0; h < task.heads; ++h) {
+      const int g = task.g0 + h;
+      for (int r = 0; r < R; ++r) {
+        float m = kNegInf, l = 0.f;
+        float* acc = s.acc_o.data();
+        for (int c = 0; c < hr.chunks; ++c) {
+          const int64_t slot = (hr.first_slot + h + static_cast<int64_t>(c) * Hkv) * R + r;
+          merge_state(m, l, acc, part_ml[2 * slot], part_ml[2 * slot + 1], part_o.data() + slot * Dv, Dv,
+                      pr.qk_scale);
+        }
+        finish_query_row<E>(pr, task.b, g * G + r / L, r % L, m, l, acc, out);
       }
-      finish_query_row<E>(pr, group.b, group.g * G + r / L, r % L, m, l, o, out);
     }
   });
 }

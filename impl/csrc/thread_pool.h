@@ -2,7 +2,9 @@
 //
 // Work items are claimed dynamically, but each writes only its own output, so which
 // thread runs an item never changes a result (REFERENCE.md invariant 7). The caller
-// takes part; parallel loops from several callers run one after another.
+// takes part and waits only for the items others claimed: a worker that never gets a
+// core during a loop is not waited for. Parallel loops from several callers run one
+// after another.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +18,13 @@ int num_threads();
 void set_num_threads(int n);
 
 // Calls fn(i) for every i in [0, n) and returns when all calls have returned.
+// At most 2^32 - 1 items (std::length_error beyond).
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
+
+// For tests: while held, the workers claim no item, as if the OS never ran them; every
+// loop then runs in its caller alone, with the same results.
+void hold_workers(bool held);
+// Items run by worker threads (not by callers) since the process started.
+int64_t worker_items();
 
 }  // namespace pagecheck

@@ -18,9 +18,12 @@
 //   4. the write path: write_slots into a donated pool, then the kernel reads it back.
 //   5. the eager entry (paged_attention_now) from two threads at once beside a lazy call on
 //      a stream thread: every output equals the 1-worker bytes.
+//   6. the pool's waits: with the workers held a loop runs in its caller alone; items
+//      workers hold past the caller's spin are waited for; 2^32 items are refused.
 //
-// Usage: thread_driver [rounds]   (default 1; each round repeats checks 1-3 and 5)
+// Usage: thread_driver [rounds]   (default 1; each round repeats checks 1-3, 5 and 6)
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -29,6 +32,7 @@
 #include <cstring>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -278,6 +282,48 @@ void check_concurrent_callers() {
   }
 }
 
+// The caller never waits for a worker that takes no item (held workers, as if never
+// scheduled: the loop runs in the caller alone), does wait for items workers hold longer
+// than its spin (a lost wake-up would hang here), and refuses a loop past the item
+// limit before running anything.
+void check_caller_waits_only_for_claimed_items() {
+  pagecheck::set_num_threads(3);
+  const std::thread::id caller = std::this_thread::get_id();
+  pagecheck::hold_workers(true);
+  const int64_t before = pagecheck::worker_items();
+  std::atomic<int> elsewhere{0}, ran{0};
+  for (int loop = 0; loop < 50; ++loop) {
+    pagecheck::parallel_for(31, [&](int64_t) {
+      if (std::this_thread::get_id() != caller) elsewhere.fetch_add(1);
+      ran.fetch_add(1);
+    });
+  }
+  pagecheck::hold_workers(false);
+  if (elsewhere.load() != 0 || pagecheck::worker_items() != before || ran.load() != 50 * 31) {
+    fail("held workers: " + std::to_string(elsewhere.load()) + " items ran outside the caller, " +
+         std::to_string(ran.load()) + " of " + std::to_string(50 * 31) + " ran");
+  }
+  std::vector<std::atomic<int>> hits(8);
+  for (int loop = 0; loop < 20; ++loop) {
+    for (auto& h : hits) h.store(0);
+    pagecheck::parallel_for(8, [&](int64_t i) {
+      if (i % 3 == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      hits[i].fetch_add(1);
+    });
+    for (size_t i = 0; i < hits.size(); ++i) {
+      if (hits[i].load() != 1) fail("long items: item " + std::to_string(i) + " done " + std::to_string(hits[i].load()) + " times at return");
+    }
+  }
+  bool threw = false;
+  std::atomic<int> called{0};
+  try {
+    pagecheck::parallel_for(int64_t{1} << 32, [&](int64_t) { called.fetch_add(1); });
+  } catch (const std::length_error&) {
+    threw = true;
+  }
+  if (!threw || called.load() != 0) fail("parallel_for of 2^32 items: no length_error, or items ran");
+}
+
 void check_write_path() {
   pagecheck::set_num_threads(4);
   // pool [P=5, Hkv=2, ps=4, D=16] of NaN; write positions 0..5 of one request into
@@ -322,6 +368,7 @@ int main(int argc, char** argv) {
     check_two_streams(all, batches, reference);
     check_now_beside_streams(all, batches, reference);
     check_concurrent_callers();
+    check_caller_waits_only_for_claimed_items();
   }
   check_write_path();
   if (g_failures) {
@@ -329,6 +376,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("thread_driver: %zu shapes x workers {1,2,3,4,8}, two streams, eager calls beside a stream, "
-              "concurrent callers, write path: OK\n", all.size());
+              "concurrent callers, the pool's waits, write path: OK\n", all.size());
   return 0;
 }
