@@ -25,7 +25,8 @@ namespace {
 
 struct ChunkTask {
   int b, c, g0, heads;
-  int64_t slot;  // state slot of (b, c, g0); the item's heads follow it
+  int64_t slot;  // state slot of (b, c, g0), the item's heads following it; -1 for a
+                 // one-chunk request, whose task keeps its states in its own scratch
   int run;       // the (b, head run) whose chunks it shares: runs[run]
 };
 
@@ -82,24 +83,27 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
   const int runs_per_request = (Hkv + run - 1) / run;
   std::vector<ChunkTask> tasks;
   std::vector<HeadRun> runs(live.size() * runs_per_request);
-  int64_t slots = 0;
+  int64_t slots = 0;  // chunk states to merge: those of requests of several chunks only
   for (size_t i = 0; i < live.size(); ++i) {
+    const bool merged = c_count[i] > 1;
     for (int k = 0; k < runs_per_request; ++k) {
       HeadRun& hr = runs[i * runs_per_request + k];
-      hr.first_slot = slots + k * run;
+      hr.first_slot = merged ? slots + k * run : -1;
       hr.chunks = c_count[i];
       hr.left.store(c_count[i], std::memory_order_relaxed);
     }
     for (int c = 0; c < c_count[i]; ++c) {
       for (int k = 0; k < runs_per_request; ++k) {
         const int g0 = k * run;
-        tasks.push_back({live[i], c_first[i] + c, g0, std::min(run, Hkv - g0), slots + g0,
+        tasks.push_back({live[i], c_first[i] + c, g0, std::min(run, Hkv - g0), merged ? slots + g0 : -1,
                          static_cast<int>(i) * runs_per_request + k});
       }
-      slots += Hkv;
+      if (merged) slots += Hkv;
     }
   }
-  AlignedVector<float> part_ml(slots * R * 2), part_o(slots * R * Dv);
+  // Every state is written by its task before the merge reads it (a row that saw no
+  // key: ml only, and its o is never read), so the buffers are not zeroed first.
+  UnsetArray<float> part_ml(slots * R * 2), part_o(slots * R * Dv);
   // The tiles take bfloat16 pools; a quantized one runs the FMA path.
   const bool tiles = std::is_same_v<E, BF16> && std::is_same_v<KV, BF16> && amx_applies(pr);
 
@@ -123,8 +127,8 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
     int jlo, jhi;
     clip_to_chunk(task.c, rows, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
     const int64_t* voff = resolve_kv_rows(pr, task.b, task.g0, jlo, jhi, s);
-    float* ml = part_ml.data() + task.slot * R * 2;
-    float* o = part_o.data() + task.slot * R * Dv;
+    float* ml = task.slot >= 0 ? part_ml.data() + task.slot * R * 2 : s.chunk_ml.data();
+    float* o = task.slot >= 0 ? part_o.data() + task.slot * R * Dv : s.chunk_o.data();
     bool attended = false;
     if constexpr (std::is_same_v<E, BF16> && std::is_same_v<KV, BF16>) {
       if (tiles) {

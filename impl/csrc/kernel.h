@@ -213,6 +213,26 @@ struct LineAligned {
 template <class T>
 using AlignedVector = std::vector<T, LineAligned<T>>;
 
+// A line-aligned array whose elements start unset, for buffers that are written before
+// they are read: an AlignedVector value-initializes, a memset of its whole size (a
+// decode's chunk states, every call).
+template <class T>
+class UnsetArray {
+ public:
+  explicit UnsetArray(size_t n) : n_(n), p_(n > 0 ? LineAligned<T>().allocate(n) : nullptr) {}
+  ~UnsetArray() {
+    if (p_ != nullptr) LineAligned<T>().deallocate(p_, n_);
+  }
+  UnsetArray(const UnsetArray&) = delete;
+  UnsetArray& operator=(const UnsetArray&) = delete;
+  T* data() const { return p_; }
+  T& operator[](size_t i) const { return p_[i]; }
+
+ private:
+  size_t n_;
+  T* p_;
+};
+
 // Per-thread working memory, grown on demand and reused across calls.
 struct Scratch {
   static constexpr int kScoreStride = kChunk + kBlock;  // a block may run past the chunk's keys
