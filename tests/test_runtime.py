@@ -141,6 +141,14 @@ def test_builtin_runs_on_the_cpu_when_the_default_device_is_the_gpu():
     assert got == want
 
 
+def _prints_ok(script: str, timeout: float) -> None:
+    """Runs `script` in a fresh interpreter at the repository root; it must print "ok"
+    within `timeout` s (a hang raises TimeoutExpired: the test fails, the suite goes on)."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 RESIZE_STRESS = """
 import impl
 from fixtures import bits, paged_case
@@ -159,9 +167,7 @@ def test_resizing_between_calls_never_hangs_or_changes_bits():
     """Workers made by a resize must wait for the next loop, not take the last one for
     new work: that miscounted busy workers and hung the caller in 2 of 3 runs of this
     loop. Run in a subprocess so a hang fails the test instead of stalling the suite."""
-    out = subprocess.run([sys.executable, "-c", RESIZE_STRESS], capture_output=True, text=True, timeout=60,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    _prints_ok(RESIZE_STRESS, timeout=60)
 
 
 HELD_WORKERS = """
@@ -197,9 +203,7 @@ def test_a_call_never_waits_for_a_worker_that_never_runs():
     prefill, lazy and eager, finish in the calling thread with the 1-worker bits. The
     pool used to wait for every worker to check in to each loop, so a loaded machine's
     small calls waited for a time slice, and held workers hung it (hence the subprocess)."""
-    out = subprocess.run([sys.executable, "-c", HELD_WORKERS], capture_output=True, text=True, timeout=30,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    _prints_ok(HELD_WORKERS, timeout=30)
 
 
 LONG_ITEMS = """
@@ -220,6 +224,4 @@ def test_a_call_waits_for_the_long_items_workers_hold():
     done sleeps until a worker's last one is: the worker that finishes it must wake it
     (a lost wake-up hangs the call, hence the subprocess), and the call returns the
     1-worker bits."""
-    out = subprocess.run([sys.executable, "-c", LONG_ITEMS], capture_output=True, text=True, timeout=30,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    _prints_ok(LONG_ITEMS, timeout=30)

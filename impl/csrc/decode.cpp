@@ -25,8 +25,8 @@ namespace {
 
 struct ChunkTask {
   int b, c, g0, heads;
-  int64_t slot;  // state slot of (b, c, g0), the item's heads following it; -1 for a
-                 // one-chunk request, whose task keeps its states in its own scratch
+  int64_t slot;  // state slot of (b, c, g0), the item's heads following it; none (-1)
+                 // for a one-chunk request, whose task keeps its states in its scratch
   int run;       // the (b, head run) whose chunks it shares: runs[run]
 };
 
@@ -127,8 +127,10 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
     int jlo, jhi;
     clip_to_chunk(task.c, rows, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
     const int64_t* voff = resolve_kv_rows(pr, task.b, task.g0, jlo, jhi, s);
-    float* ml = task.slot >= 0 ? part_ml.data() + task.slot * R * 2 : s.chunk_ml.data();
-    float* o = task.slot >= 0 ? part_o.data() + task.slot * R * Dv : s.chunk_o.data();
+    HeadRun& hr = runs[task.run];
+    const bool alone = hr.chunks == 1;  // finished here, from the task's own scratch
+    float* ml = alone ? s.chunk_ml.data() : part_ml.data() + task.slot * R * 2;
+    float* o = alone ? s.chunk_o.data() : part_o.data() + task.slot * R * Dv;
     bool attended = false;
     if constexpr (std::is_same_v<E, BF16> && std::is_same_v<KV, BF16>) {
       if (tiles) {
@@ -145,8 +147,7 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
       attend_chunk<KV>(kv.pr, kv.k, kv.v, kv.off, kv.voff, jlo, jhi, s.q32.data(), rows, task.heads, s.clo.data(),
                        s.chi.data(), s, ml, o);
     }
-    HeadRun& hr = runs[task.run];
-    if (hr.chunks == 1) {
+    if (alone) {
       finish_chunk_rows<E>(pr, task, ml, o, out);
       return;
     }
