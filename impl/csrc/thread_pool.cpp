@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <limits>
@@ -19,8 +20,19 @@ namespace {
 
 // Polls of a waiting thread before it sleeps: the caller's wait for the items others
 // run pauses between polls; an idle worker yields its core (sched_yield, ~0.3-1 us
-// each) instead.
+// each) instead, once its hold is over.
 constexpr int kSpin = 4000;
+
+// How long a worker keeps its core after a loop, polling with pauses, before it starts
+// to yield it: longer than the gap between two calls of a caller stepping call by call
+// (a paged_now decode loop: ~5 us of Python), shorter than anything a thread waiting
+// for that core would notice. A worker that yields at once loses its core to any other
+// runnable thread, a nice-19 one or a kernel thread included, for that thread's whole
+// time slice, and the caller then runs every item alone: B 1 S 128 f32 decodes beside a
+// nice-19 busy loop, 2 threads, 36.0 us median (20.0 best) against vLLM's 19.6; with the
+// hold 21.2 us. The AMD full run of 2026-12-04 showed the same two modes, 21 and 38 us,
+// at its first case. vLLM's OpenMP workers spin for milliseconds after each call.
+constexpr auto kHold = std::chrono::microseconds(50);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -105,6 +117,7 @@ class Pool {
   // Test hooks (thread_pool.h).
   void hold_workers(bool held) { held_.store(held, std::memory_order_release); }
   int64_t worker_items() const { return worker_items_.load(std::memory_order_relaxed); }
+  int64_t worker_yields() const { return worker_yields_.load(std::memory_order_relaxed); }
 
  private:
   static constexpr int64_t kMaxItems = std::numeric_limits<uint32_t>::max();
@@ -143,18 +156,32 @@ class Pool {
     return generation(state_.load(std::memory_order_acquire)) != seen && !held_.load(std::memory_order_acquire);
   }
 
+  // Polls for a new loop with pauses for kHold (the clock read every 16 polls: a
+  // pause is 40-140 cycles), keeping the core (kHold's comment).
+  void hold(uint32_t seen) const {
+    const auto until = std::chrono::steady_clock::now() + kHold;
+    while (!has_new_loop(seen) && !quit_.load(std::memory_order_relaxed)) {
+      for (int i = 0; i < 16; ++i) cpu_relax();
+      if (std::chrono::steady_clock::now() >= until) return;
+    }
+  }
+
   // `seen` starts at the generation current when the worker was made: a worker
   // started by resize() must not take an earlier loop for a new one.
   void worker(uint32_t seen) {
     for (;;) {
-      // Spin a little before sleeping: a kernel call runs two loops back to back and
-      // a futex wake-up costs tens of microseconds, as much as a small decode loop.
-      // Spin by yielding, not by pausing: on two cores a worker that pauses holds its
-      // core for the whole spin while Python and MLX's stream thread wait for one, and
-      // a quarter to a third of the 0.035 ms decodes (B 1, S 128) took 0.2 ms instead;
-      // yielding, about 1 in 100 did. Only the wait changes; which items run where
-      // never affects a result.
-      for (int spin = 0; spin < kSpin && !has_new_loop(seen) && !quit_.load(); ++spin) sched_yield();
+      // Spin before sleeping: calls come back to back and a futex wake-up costs tens
+      // of microseconds, as much as a small decode loop. First the short hold, then
+      // by yielding, not by pausing: on two cores a worker that paused for its whole
+      // spin (milliseconds) held its core while Python and MLX's stream thread waited
+      // for one, and a quarter to a third of the 0.035 ms decodes (B 1, S 128) took
+      // 0.2 ms instead; yielding, about 1 in 100 did. Only the wait changes; which
+      // items run where never affects a result.
+      hold(seen);
+      for (int spin = 0; spin < kSpin && !has_new_loop(seen) && !quit_.load(); ++spin) {
+        worker_yields_.fetch_add(1, std::memory_order_relaxed);
+        sched_yield();
+      }
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return quit_ || has_new_loop(seen); });
@@ -194,6 +221,7 @@ class Pool {
   std::atomic<bool> quit_{false};
   std::atomic<bool> held_{false};
   std::atomic<int64_t> worker_items_{0};
+  std::atomic<int64_t> worker_yields_{0};
 };
 
 Pool& pool() {
@@ -208,5 +236,6 @@ void set_num_threads(int n) { pool().resize(n); }
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) { pool().run(n, fn); }
 void hold_workers(bool held) { pool().hold_workers(held); }
 int64_t worker_items() { return pool().worker_items(); }
+int64_t worker_yields() { return pool().worker_yields(); }
 
 }  // namespace pagecheck

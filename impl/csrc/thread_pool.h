@@ -26,5 +26,7 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
 void hold_workers(bool held);
 // Items run by worker threads (not by callers) since the process started.
 int64_t worker_items();
+// Times an idle worker yielded its core (sched_yield) since the process started.
+int64_t worker_yields();
 
 }  // namespace pagecheck
