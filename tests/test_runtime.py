@@ -238,14 +238,13 @@ def call():
     impl.paged_attention_now(case.query, case.key_pages, case.value_pages, meta)
 impl.set_num_threads(2)
 call()
-kept, items = 0, pagecheck_kernels.worker_items()
+items = pagecheck_kernels.worker_items()
 for trial in range(50):
     call()
-    before = pagecheck_kernels.worker_yields()
     call()  # microseconds after the last loop: its worker still holds its core
-    kept += pagecheck_kernels.worker_yields() == before
 assert pagecheck_kernels.worker_items() > items, "the worker never ran an item"
-assert kept >= 30, f"a worker yielded its core between back-to-back calls in {50 - kept} of 50 trials"
+early = pagecheck_kernels.worker_early_yields()
+assert early == 0, f"a worker yielded its core before its hold had passed, in {early} idle spells"
 before = pagecheck_kernels.worker_yields()
 time.sleep(0.02)
 assert pagecheck_kernels.worker_yields() > before, "an idle worker never stopped holding its core"
@@ -257,7 +256,11 @@ def test_a_worker_keeps_its_core_between_back_to_back_calls():
     """After a loop a worker polls with pauses for a short hold (thread_pool.cpp kHold)
     before it yields its core: a worker that yielded at once lost its core to any other
     runnable thread for a time slice, and the caller ran every item alone (B 1 S 128
-    decodes beside a nice-19 busy loop: 36 us median against 21). Between two calls
-    microseconds apart no worker yields; an idle one starts yielding soon after (the hold
-    ends). In a subprocess: a fresh pool, and its counters are the script's own."""
+    decodes beside a nice-19 busy loop: 36 us median against 21). Over 100 calls
+    microseconds apart no worker yields before its hold has passed (a count of the idle
+    spells whose first yield came early, exact whatever the load: counting the yields
+    between two calls, as this test first did, let the broken hold pass on a loaded
+    machine, where the worker is not on a core in that gap either); an idle one starts
+    yielding soon after (the hold ends). In a subprocess: a fresh pool, and its counters
+    are the script's own."""
     _prints_ok(HOLD, timeout=60)

@@ -89,6 +89,8 @@ NB_MODULE(_kernels, m) {
         "the calling thread alone.");
   m.def("worker_items", &pagecheck::worker_items, "For tests: items run by worker threads, not callers, so far.");
   m.def("worker_yields", &pagecheck::worker_yields, "For tests: times an idle worker yielded its core so far.");
+  m.def("worker_early_yields", &pagecheck::worker_early_yields,
+        "For tests: idle spells in which a worker yielded its core before its hold had passed (0 when sound).");
   m.def("amx_supported", &pagecheck::amx_supported,
         "Whether bfloat16 calls can run on AMX tiles here (build, CPU and Linux all allow it).");
   m.def("amx_enabled", &pagecheck::amx_enabled, "Whether bfloat16 calls run on AMX tiles now.");

@@ -28,5 +28,8 @@ void hold_workers(bool held);
 int64_t worker_items();
 // Times an idle worker yielded its core (sched_yield) since the process started.
 int64_t worker_yields();
+// Idle spells in which a worker began to yield before its hold (thread_pool.cpp kHold)
+// had run its course since the process started: 0 unless the hold is broken.
+int64_t worker_early_yields();
 
 }  // namespace pagecheck
