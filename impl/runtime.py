@@ -52,3 +52,25 @@ def set_amx(on: bool) -> None:
     if not isinstance(on, bool):
         raise ValueError(f"set_amx takes True or False, got {on!r}")
     _kernels.set_amx(on)
+
+
+def pair_dots_supported() -> bool:
+    """Whether bfloat16 scores can run on AVX512-BF16's pair dot product (vdpbf16ps) in
+    this build (impl/csrc/pair_dots.h)."""
+    return _kernels.pair_dots_supported()
+
+
+def pair_dots_enabled() -> bool:
+    """Whether they do now: on where supported and the CPU issues it at the FMA rate (AMD),
+    unless `$PAGECHECK_PAIR_DOTS` (0 or 1) said otherwise when the kernels loaded."""
+    return _kernels.pair_dots_enabled()
+
+
+def set_pair_dots(on: bool) -> None:
+    """Switch the pair dot product of bfloat16 scores on or off for later calls. A choice
+    of speed only: the bits are the FMA loop's either way (queries or K blocks with an
+    element below 2^-51 in magnitude take the FMA loop). On raises ValueError where
+    `pair_dots_supported()` is false."""
+    if not isinstance(on, bool):
+        raise ValueError(f"set_pair_dots takes True or False, got {on!r}")
+    _kernels.set_pair_dots(on)

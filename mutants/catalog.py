@@ -12,7 +12,8 @@ Each `mutants/catalog/*.toml` file holds `[[mutant]]` entries:
 | `killers`     | pytest node ids (or files) expected to kill it; run first           |
 | `slow`        | optional: its killers include tests marked slow (else they are deselected) |
 | `needs`       | optional: `"amx"`, the code it breaks runs only on AMX tiles; `"triton"`, |
-|               | it breaks gpu/ (torch and triton needed); where this machine lacks it the |
+|               | it breaks gpu/ (torch and triton needed); `"pair_dots"`, it runs only in a |
+|               | build with AVX512-BF16 (impl/csrc/pair_dots.h); where this machine lacks it the |
 |               | mutant is reported "not applicable", never counted                 |
 | `impl`        | optional: `MODULE:ATTR`, the implementation its killers and the     |
 |               | correctness suite check (`--impl`), e.g. `gpu.paged:paged_attention` |
@@ -29,7 +30,7 @@ from pathlib import Path
 
 CATALOG = Path(__file__).parent / "catalog"
 NATIVE = ("impl/csrc/", "CMakeLists.txt")
-NEEDS = (None, "amx", "triton")
+NEEDS = (None, "amx", "triton", "pair_dots")
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def load_file(path: Path) -> list[Mutant]:
         if entry["id"] in seen:
             raise ValueError(f"{path.name}: mutant id {entry['id']} appears twice")
         if entry.get("needs") not in NEEDS:
-            raise ValueError(f"{path.name}: mutant {entry['id']} needs {entry['needs']!r}; known: amx, triton")
+            raise ValueError(f"{path.name}: mutant {entry['id']} needs {entry['needs']!r}; known: amx, triton, pair_dots")
         if entry["original"] == entry["replacement"]:
             raise ValueError(f"{path.name}: mutant {entry['id']} changes nothing")
         seen.add(entry["id"])

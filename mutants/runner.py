@@ -184,14 +184,15 @@ class Progress:
         sys.stderr.flush()
 
 
-WHY = {"amx": "no AMX tiles on this machine", "triton": "torch or triton is not installed"}
+WHY = {"amx": "no AMX tiles on this machine", "triton": "torch or triton is not installed",
+       "pair_dots": "this build has no AVX512-BF16"}
 
 
 def lacking() -> dict[str, bool]:
     """Which `needs` this machine lacks: a mutant of code it cannot run is not applicable."""
     import pagecheck_kernels
 
-    return {"amx": not pagecheck_kernels.amx_supported(),
+    return {"amx": not pagecheck_kernels.amx_supported(), "pair_dots": not pagecheck_kernels.pair_dots_supported(),
             "triton": not all(importlib.util.find_spec(p) for p in ("torch", "triton"))}
 
 

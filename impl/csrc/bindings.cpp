@@ -96,6 +96,11 @@ NB_MODULE(_kernels, m) {
   m.def("amx_enabled", &pagecheck::amx_enabled, "Whether bfloat16 calls run on AMX tiles now.");
   m.def("set_amx", &pagecheck::set_amx, "on"_a,
         "Switch the AMX tile path of bfloat16 calls on or off (on raises ValueError where unsupported).");
+  m.def("pair_dots_supported", &pagecheck::pair_dots_supported,
+        "Whether bfloat16 scores can run on AVX512-BF16's pair dot product in this build.");
+  m.def("pair_dots_enabled", &pagecheck::pair_dots_enabled, "Whether bfloat16 scores run on the pair dot product now.");
+  m.def("set_pair_dots", &pagecheck::set_pair_dots, "on"_a,
+        "Switch the pair dot product of bfloat16 scores on or off (same bits either way).");
   m.def("fma_peak_gflops", &pagecheck::fma_peak_gflops, "seconds"_a = 0.3, nb::call_guard<nb::gil_scoped_release>(),
         "GFLOP/s of independent fused multiply-add chains on the kernels' threads (benchmark limit).");
   m.def(

@@ -9,6 +9,8 @@
 #include <cstdint>
 
 #include "kernel.h"
+#include "kernel_info.h"
+#include "pair_dots.h"
 
 namespace pagecheck {
 
@@ -60,6 +62,15 @@ struct BlockRows {
 #endif
     if (use_widened) scores16_rows<F32>(q, nr, widened, D, out);
     else scores16_rows<E>(q, nr, in_pool, D, out, next);
+  }
+  // scores() from queries in pair order (pair_dots.h) where the block is bfloat16 rows
+  // read in place; false where it is not or one of its K elements is tiny (out written
+  // but not for use: then scores() is the way).
+  bool pair_scores(const uint16_t* const* qp, int nr, int D, float* const* out, const T* const* next) const {
+    if constexpr (std::is_same_v<E, BF16>) {
+      if (!use_widened && transposed == nullptr) return scores16_pairs_rows(qp, nr, in_pool, D, out, next);
+    }
+    return false;
   }
 };
 
@@ -305,6 +316,16 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     chunk_scales(pr, pr.k_scales, s.slots.data(), jhi - jlo, heads, pr.score_sign, s.key_scales.data());
     chunk_scales(pr, pr.v_scales, s.slots.data(), jhi - jlo, heads, 1.f, s.value_scales.data());
   }
+  // The rows' queries in pair order, where a bfloat16 block read in place may score them
+  // on the pair dot product (pair_dots.h): a row that fails pair_query's guard, and any
+  // block scored with it, take the FMA loop.
+  const bool pairs = std::is_same_v<E, BF16> && per_head <= kRowBlock && D % 32 == 0 && pair_dots_enabled();
+  if (pairs) {
+    s.q_pairs.resize(static_cast<size_t>(rows) * D);
+    s.q_pairs_ok.resize(rows);
+    for (int r = 0; r < rows; ++r)
+      s.q_pairs_ok[r] = pair_query(q32 + static_cast<int64_t>(r) * D, D, s.q_pairs.data() + static_cast<int64_t>(r) * D);
+  }
   const T* zero_row = s.zero_row<T>();
   for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, head_stride, zero_row,
                       [&](int h, int jb, int n, const T* const* next) {
@@ -322,11 +343,14 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     }
     // The rows of this head that see a key of this block, kRowBlock at a time.
     const float* qs[kRowBlock];
+    const uint16_t* qp[kRowBlock];
     float* ss[kRowBlock];
     int nsel = 0;
+    bool paired = pairs;  // every selected row passed pair_query
     const auto score_selected = [&] {
-      block.scores(qs, nsel, D, ss, next);
+      if (!(paired && block.pair_scores(qp, nsel, D, ss, next))) block.scores(qs, nsel, D, ss, next);
       next = nullptr;  // asked for by the first rows
+      paired = pairs;
       if constexpr (kQuantized<E>) {  // K's scale, once per score (the sign folded in)
         const float* ks = s.key_scales.data() + h * kChunk + (jb - jlo);
         for (int i = 0; i < nsel; ++i)
@@ -340,6 +364,10 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
       if (clo[r] >= jb + n || chi[r] <= jb) continue;
       qs[nsel] = q32 + static_cast<int64_t>(r) * D;
+      if (pairs) {
+        qp[nsel] = s.q_pairs.data() + static_cast<int64_t>(r) * D;
+        paired = paired && s.q_pairs_ok[r];
+      }
       ss[nsel++] = s.scores.data() + r * stride + (jb - jlo);
       if (nsel == kRowBlock) score_selected();
     }

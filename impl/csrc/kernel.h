@@ -250,6 +250,9 @@ struct Scratch {
   std::vector<const uint16_t*> tile_k_at, tile_v_at;
   // A tile-packed pool's chunk unpacked into rows for the FMA path (packed_rows.h).
   AlignedVector<uint16_t> unpacked_k, unpacked_v;
+  // The query rows as bfloat16 in pair order (pair_dots.h), and whether each row may use them.
+  AlignedVector<uint16_t> q_pairs;
+  std::vector<uint8_t> q_pairs_ok;
   // Never written: the readable stand-ins for the missing keys of a block, per element size.
   AlignedVector<float> zeros;
   AlignedVector<uint16_t> zeros16;

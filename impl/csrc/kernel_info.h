@@ -23,4 +23,14 @@ bool amx_enabled();
 // where amx_supported() is false.
 void set_amx(bool on);
 
+// Built with AVX512-BF16 (pair_dots.h): bfloat16 scores can run on vdpbf16ps, with the
+// same bits as the FMA loop.
+bool pair_dots_supported();
+// Whether they do now: supported, and $PAGECHECK_PAIR_DOTS (0 or 1) at load time, else
+// on where it pays (AMD CPUs: pair_dots.h).
+bool pair_dots_enabled();
+// Switches them on or off for later calls; on throws std::invalid_argument where
+// pair_dots_supported() is false.
+void set_pair_dots(bool on);
+
 }  // namespace pagecheck

@@ -1,0 +1,142 @@
+// bfloat16 scores on AVX512-BF16's pair dot product (vdpbf16ps), with scores16_block's
+// bits. One vdpbf16ps adds to each of its 16 float32 lanes two products of bfloat16
+// pairs, the odd element's first: on this project's machines it equals two float32 FMAs
+// in sequence, odd element first, except that subnormal inputs and results are flushed
+// to zero (AMD machine: every one of 9.6 M random lanes, every exponent, infinities and
+// NaN payloads included, matched two FMAs where no input was tiny; bench/fma_loops.cpp
+// has no part in it). dot16's lane l adds d = l, l + 16, l + 32, ... in order, so a lane
+// of the pair loop gets element l + 32 t in its odd slot and l + 16 + 32 t in its even
+// slot (pair_order: one word permute per 32 K elements, and the query rows once per
+// call): the same operations in the same order, half the multiply-add instructions.
+//
+// The flush is kept out by a guard, not emulated: every nonzero query and K element at
+// least 2^-51 in magnitude (kTinyBits) makes each bfloat16 a multiple of 2^-58, each
+// product and every partial sum a multiple of 2^-116, so nothing is subnormal and
+// nothing is flushed. A query row that fails it never takes this loop (pair_query); a
+// block whose K rows fail it is scored again by scores16_block (the caller), whose bits
+// these are anyway. The float32 query rows of a bfloat16 pool are its bfloat16 query
+// widened (the pools' type is the query's: kernel.h PAGECHECK_FOR_EACH_POOL_TYPE), so
+// taking their high halves is exact.
+//
+// Where it pays: the AMD machine issues vdpbf16ps as fast as FMAs (1.6-1.8 per ns per
+// core both), so the score loop needs half the multiply-add issue slots; the Intel
+// machine issues it at a quarter of the FMA rate (1.87 against 7.6 per ns: half the
+// multiply-adds), where a decode on it was 13% slower. Hence pair_dots_enabled (kernel_info.h): on by default on
+// AMD CPUs only.
+#pragma once
+
+#include <cstdint>
+
+#include "blocks.h"
+
+namespace pagecheck {
+
+// |x| < 2^-51 and x != 0, as a bfloat16's magnitude bits (exponent field < 127 - 51).
+constexpr uint16_t kTinyBits = (127 - 51) << 7;
+
+// The pair loop's order of 32 elements: slot 2l + 1 holds element l, slot 2l element
+// l + 16 (what vdpbf16ps adds first sits in the odd slot).
+constexpr int pair_source(int slot) { return slot % 2 == 1 ? slot / 2 : 16 + slot / 2; }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+inline constexpr bool kPairDotsBuilt = true;
+
+// q (float32 widened from bfloat16, D % 32 == 0) as bfloat16 in pair order into qp;
+// false where an element is tiny (then qp is not for use). Vectorized: a scalar loop
+// over the 32 rows of a B 1 decode took about 4 us of a 20 us call at S 128.
+inline bool pair_query(const float* q, int D, uint16_t* qp) {
+  alignas(64) static constexpr uint16_t kHighWords[32] = {
+#define PAGECHECK_HIGH(s) static_cast<uint16_t>(2 * pair_source(s) + 1)
+      PAGECHECK_HIGH(0),  PAGECHECK_HIGH(1),  PAGECHECK_HIGH(2),  PAGECHECK_HIGH(3),  PAGECHECK_HIGH(4),
+      PAGECHECK_HIGH(5),  PAGECHECK_HIGH(6),  PAGECHECK_HIGH(7),  PAGECHECK_HIGH(8),  PAGECHECK_HIGH(9),
+      PAGECHECK_HIGH(10), PAGECHECK_HIGH(11), PAGECHECK_HIGH(12), PAGECHECK_HIGH(13), PAGECHECK_HIGH(14),
+      PAGECHECK_HIGH(15), PAGECHECK_HIGH(16), PAGECHECK_HIGH(17), PAGECHECK_HIGH(18), PAGECHECK_HIGH(19),
+      PAGECHECK_HIGH(20), PAGECHECK_HIGH(21), PAGECHECK_HIGH(22), PAGECHECK_HIGH(23), PAGECHECK_HIGH(24),
+      PAGECHECK_HIGH(25), PAGECHECK_HIGH(26), PAGECHECK_HIGH(27), PAGECHECK_HIGH(28), PAGECHECK_HIGH(29),
+      PAGECHECK_HIGH(30), PAGECHECK_HIGH(31)};
+#undef PAGECHECK_HIGH
+  const __m512i high_words = _mm512_load_si512(kHighWords);
+  __mmask32 tiny = 0;
+  for (int t = 0; t < D; t += 32) {
+    const __m512i a = _mm512_loadu_si512(q + t), b = _mm512_loadu_si512(q + t + 16);
+    const __m512i pairs = _mm512_permutex2var_epi16(a, high_words, b);
+    const __m512i mag = _mm512_and_si512(pairs, _mm512_set1_epi16(0x7FFF));
+    tiny |= _mm512_test_epi16_mask(mag, mag) & _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(kTinyBits));
+    _mm512_storeu_si512(qp + t, pairs);
+  }
+  return tiny == 0;
+}
+
+// NR rows x 16 keys from bfloat16 K rows in the pool (D % 32 == 0), queries in pair
+// order (pair_query): scores16_block's loop and fold with one vdpbf16ps where it had
+// two FMAs. Returns false, with s written but not for use, where an element of the K
+// rows is tiny (then the caller scores the block with scores16_block).
+template <int NR>
+__attribute__((noinline)) bool scores16_pairs(const uint16_t* const* qp, const uint16_t* const* rows, int D,
+                                              float* const* s, const uint16_t* const* next) {
+  alignas(64) static constexpr uint16_t kOrder[32] = {
+      pair_source(0),  pair_source(1),  pair_source(2),  pair_source(3),  pair_source(4),  pair_source(5),
+      pair_source(6),  pair_source(7),  pair_source(8),  pair_source(9),  pair_source(10), pair_source(11),
+      pair_source(12), pair_source(13), pair_source(14), pair_source(15), pair_source(16), pair_source(17),
+      pair_source(18), pair_source(19), pair_source(20), pair_source(21), pair_source(22), pair_source(23),
+      pair_source(24), pair_source(25), pair_source(26), pair_source(27), pair_source(28), pair_source(29),
+      pair_source(30), pair_source(31)};
+  const __m512i order = _mm512_load_si512(kOrder);
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
+  // min over the block of (|x| bits - 1), wrapping: zero becomes 0xFFFF, a tiny x less
+  // than kTinyBits - 1. Three integer ops per 32 K elements, shared by the NR rows.
+  __m512i least = _mm512_set1_epi16(-1);
+  __m512 quarter[NR], pair[NR][2];
+#pragma GCC unroll 4
+  for (int k0 = 0; k0 < kBlock; k0 += 4) {
+    __m512 a[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32) {
+      __m512i kv[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m512i raw = _mm512_loadu_si512(rows[k0 + i] + d);
+        least = _mm512_min_epu16(least, _mm512_sub_epi16(_mm512_and_si512(raw, magnitude), one));
+        kv[i] = _mm512_permutexvar_epi16(order, raw);
+        in_register(reinterpret_cast<__m512&>(kv[i]));
+        ask_next<BF16>(next, k0 + i, d);
+      }
+      for (int r = 0; r < NR; ++r) {
+        __m512i qv = _mm512_loadu_si512(qp[r] + d);
+        in_register(reinterpret_cast<__m512&>(qv));
+        for (int i = 0; i < 4; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], (__m512bh)qv, (__m512bh)kv[i]);
+      }
+    }
+    const int m = k0 / 4;  // keys 4m .. 4m + 3
+    for (int r = 0; r < NR; ++r) {
+      const __m512 keys = fold_quarters(fold_halves(a[r][0], a[r][1]), fold_halves(a[r][2], a[r][3]));
+      if (m % 2 == 0) quarter[r] = keys;
+      else pair[r][m / 2] = fold_pairs(quarter[r], keys);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(s[r], fold_singles(pair[r][0], pair[r][1]));
+  return _mm512_cmplt_epu16_mask(least, _mm512_set1_epi16(kTinyBits - 1)) == 0;
+}
+
+// scores16_pairs for nr <= kRowBlock rows.
+inline bool scores16_pairs_rows(const uint16_t* const* qp, int nr, const uint16_t* const* rows, int D,
+                                float* const* s, const uint16_t* const* next) {
+  switch (nr) {
+    case 1: return scores16_pairs<1>(qp, rows, D, s, next);
+    case 2: return scores16_pairs<2>(qp, rows, D, s, next);
+    case 3: return scores16_pairs<3>(qp, rows, D, s, next);
+    default: return scores16_pairs<4>(qp, rows, D, s, next);
+  }
+}
+#else
+inline constexpr bool kPairDotsBuilt = false;
+
+inline bool pair_query(const float*, int, uint16_t*) { return false; }
+
+inline bool scores16_pairs_rows(const uint16_t* const*, int, const uint16_t* const*, int, float* const*,
+                                const uint16_t* const*) {
+  return false;  // never called: pair_dots_enabled() is false in such a build
+}
+#endif
+
+}  // namespace pagecheck
