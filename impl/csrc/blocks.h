@@ -184,6 +184,32 @@ constexpr int kRowBlock = 4;  // query rows per register block
 // operand), so scores16_block issued 20 vector loads per 16 FMAs instead of 8 and the
 // loads, not the multiply-adds, bounded it. Changes no value.
 inline void in_register(__m512& v) { asm("" : "+v"(v)); }
+inline void in_register(__m512i& v) { asm("" : "+v"(v)); }
+
+// The fold of NR rows' 16 scores, four keys at a time (scores16's tree): add(m, a) takes
+// each row's four accumulators of keys 4m .. 4m + 3, m ascending, and folds them at once
+// (halves, then quarters; every two groups into pairs), store(s) adds the two pairs
+// (singles) and writes each row's scores in key order. Shared by the FMA loop below and
+// the pair dot product's (pair_dots.h), which fill the accumulators differently.
+template <int NR>
+struct KeyFold {
+  __m512 quarter[NR], pair[NR][2];
+
+  static void clear(__m512 (&a)[NR][4]) {
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_ps();
+  }
+  void add(int m, const __m512 (&a)[NR][4]) {
+    for (int r = 0; r < NR; ++r) {
+      const __m512 keys = fold_quarters(fold_halves(a[r][0], a[r][1]), fold_halves(a[r][2], a[r][3]));
+      if (m % 2 == 0) quarter[r] = keys;
+      else pair[r][m / 2] = fold_pairs(quarter[r], keys);
+    }
+  }
+  void store(float* const* s) const {
+    for (int r = 0; r < NR; ++r) _mm512_storeu_ps(s[r], fold_singles(pair[r][0], pair[r][1]));
+  }
+};
 
 // NR rows x 16 keys, four keys at a time: 4 NR accumulators, 4 + NR loads per step.
 // Each group of four keys is folded as soon as its dot products are done (halves, then
@@ -198,12 +224,11 @@ inline void in_register(__m512& v) { asm("" : "+v"(v)); }
 template <class E, int NR>
 __attribute__((noinline)) void scores16_block(const float* const* q, const typename E::T* const* rows, int D,
                                               float* const* s, const typename E::T* const* next) {
-  __m512 quarter[NR], pair[NR][2];
+  KeyFold<NR> fold;
 #pragma GCC unroll 4
   for (int k0 = 0; k0 < kBlock; k0 += 4) {
     __m512 a[NR][4];
-    for (int r = 0; r < NR; ++r)
-      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_ps();
+    KeyFold<NR>::clear(a);
     for (int d = 0; d < D; d += kLanes) {
       __m512 kv[4];
       for (int i = 0; i < 4; ++i) {
@@ -217,14 +242,9 @@ __attribute__((noinline)) void scores16_block(const float* const* q, const typen
         for (int i = 0; i < 4; ++i) a[r][i] = fma16(qv, kv[i], a[r][i]);
       }
     }
-    const int m = k0 / 4;  // keys 4m .. 4m + 3
-    for (int r = 0; r < NR; ++r) {
-      const __m512 keys = fold_quarters(fold_halves(a[r][0], a[r][1]), fold_halves(a[r][2], a[r][3]));
-      if (m % 2 == 0) quarter[r] = keys;
-      else pair[r][m / 2] = fold_pairs(quarter[r], keys);
-    }
+    fold.add(k0 / 4, a);
   }
-  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(s[r], fold_singles(pair[r][0], pair[r][1]));
+  fold.store(s);
 }
 
 // In-place transpose of 16 x 16 32-bit elements: r[i] lane k becomes r[k] lane i (the

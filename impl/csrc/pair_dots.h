@@ -82,40 +82,35 @@ __attribute__((noinline)) bool scores16_pairs(const uint16_t* const* qp, const u
       pair_source(24), pair_source(25), pair_source(26), pair_source(27), pair_source(28), pair_source(29),
       pair_source(30), pair_source(31)};
   const __m512i order = _mm512_load_si512(kOrder);
-  const __m512i magnitude = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
-  // min over the block of (|x| bits - 1), wrapping: zero becomes 0xFFFF, a tiny x less
-  // than kTinyBits - 1. Three integer ops per 32 K elements, shared by the NR rows.
+  // The least nonzero magnitude over the block, as its bits shifted up one (x + x drops
+  // the sign): three integer ops per 32 K elements, shared by the NR rows, and no
+  // constant to hold (with a mask and a 1 held, the fold state went through the stack).
   __m512i least = _mm512_set1_epi16(-1);
-  __m512 quarter[NR], pair[NR][2];
+  KeyFold<NR> fold;
 #pragma GCC unroll 4
   for (int k0 = 0; k0 < kBlock; k0 += 4) {
     __m512 a[NR][4];
-    for (int r = 0; r < NR; ++r)
-      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_ps();
+    KeyFold<NR>::clear(a);
     for (int d = 0; d < D; d += 32) {
       __m512i kv[4];
       for (int i = 0; i < 4; ++i) {
         const __m512i raw = _mm512_loadu_si512(rows[k0 + i] + d);
-        least = _mm512_min_epu16(least, _mm512_sub_epi16(_mm512_and_si512(raw, magnitude), one));
+        const __m512i twice = _mm512_add_epi16(raw, raw);
+        least = _mm512_mask_min_epu16(least, _mm512_test_epi16_mask(twice, twice), least, twice);
         kv[i] = _mm512_permutexvar_epi16(order, raw);
-        in_register(reinterpret_cast<__m512&>(kv[i]));
+        in_register(kv[i]);
         ask_next<BF16>(next, k0 + i, d);
       }
       for (int r = 0; r < NR; ++r) {
         __m512i qv = _mm512_loadu_si512(qp[r] + d);
-        in_register(reinterpret_cast<__m512&>(qv));
+        in_register(qv);
         for (int i = 0; i < 4; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], (__m512bh)qv, (__m512bh)kv[i]);
       }
     }
-    const int m = k0 / 4;  // keys 4m .. 4m + 3
-    for (int r = 0; r < NR; ++r) {
-      const __m512 keys = fold_quarters(fold_halves(a[r][0], a[r][1]), fold_halves(a[r][2], a[r][3]));
-      if (m % 2 == 0) quarter[r] = keys;
-      else pair[r][m / 2] = fold_pairs(quarter[r], keys);
-    }
+    fold.add(k0 / 4, a);
   }
-  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(s[r], fold_singles(pair[r][0], pair[r][1]));
-  return _mm512_cmplt_epu16_mask(least, _mm512_set1_epi16(kTinyBits - 1)) == 0;
+  fold.store(s);
+  return _mm512_cmplt_epu16_mask(least, _mm512_set1_epi16(2 * kTinyBits)) == 0;
 }
 
 // scores16_pairs for nr <= kRowBlock rows.
