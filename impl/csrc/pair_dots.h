@@ -25,6 +25,7 @@
 // AMD CPUs only.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "blocks.h"
@@ -38,6 +39,14 @@ constexpr uint16_t kTinyBits = (127 - 51) << 7;
 // l + 16 (what vdpbf16ps adds first sits in the odd slot).
 constexpr int pair_source(int slot) { return slot % 2 == 1 ? slot / 2 : 16 + slot / 2; }
 
+// word(pair_source(slot)) for the 32 slots: a permute's indices into pair order.
+template <class Word>
+constexpr std::array<uint16_t, 32> pair_words(Word word) {
+  std::array<uint16_t, 32> w{};
+  for (int slot = 0; slot < 32; ++slot) w[slot] = static_cast<uint16_t>(word(pair_source(slot)));
+  return w;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 inline constexpr bool kPairDotsBuilt = true;
 
@@ -45,17 +54,8 @@ inline constexpr bool kPairDotsBuilt = true;
 // false where an element is tiny (then qp is not for use). Vectorized: a scalar loop
 // over the 32 rows of a B 1 decode took about 4 us of a 20 us call at S 128.
 inline bool pair_query(const float* q, int D, uint16_t* qp) {
-  alignas(64) static constexpr uint16_t kHighWords[32] = {
-#define PAGECHECK_HIGH(s) static_cast<uint16_t>(2 * pair_source(s) + 1)
-      PAGECHECK_HIGH(0),  PAGECHECK_HIGH(1),  PAGECHECK_HIGH(2),  PAGECHECK_HIGH(3),  PAGECHECK_HIGH(4),
-      PAGECHECK_HIGH(5),  PAGECHECK_HIGH(6),  PAGECHECK_HIGH(7),  PAGECHECK_HIGH(8),  PAGECHECK_HIGH(9),
-      PAGECHECK_HIGH(10), PAGECHECK_HIGH(11), PAGECHECK_HIGH(12), PAGECHECK_HIGH(13), PAGECHECK_HIGH(14),
-      PAGECHECK_HIGH(15), PAGECHECK_HIGH(16), PAGECHECK_HIGH(17), PAGECHECK_HIGH(18), PAGECHECK_HIGH(19),
-      PAGECHECK_HIGH(20), PAGECHECK_HIGH(21), PAGECHECK_HIGH(22), PAGECHECK_HIGH(23), PAGECHECK_HIGH(24),
-      PAGECHECK_HIGH(25), PAGECHECK_HIGH(26), PAGECHECK_HIGH(27), PAGECHECK_HIGH(28), PAGECHECK_HIGH(29),
-      PAGECHECK_HIGH(30), PAGECHECK_HIGH(31)};
-#undef PAGECHECK_HIGH
-  const __m512i high_words = _mm512_load_si512(kHighWords);
+  alignas(64) static constexpr auto kHighWords = pair_words([](int e) { return 2 * e + 1; });
+  const __m512i high_words = _mm512_load_si512(kHighWords.data());
   __mmask32 tiny = 0;
   for (int t = 0; t < D; t += 32) {
     const __m512i a = _mm512_loadu_si512(q + t), b = _mm512_loadu_si512(q + t + 16);
@@ -74,14 +74,8 @@ inline bool pair_query(const float* q, int D, uint16_t* qp) {
 template <int NR>
 __attribute__((noinline)) bool scores16_pairs(const uint16_t* const* qp, const uint16_t* const* rows, int D,
                                               float* const* s, const uint16_t* const* next) {
-  alignas(64) static constexpr uint16_t kOrder[32] = {
-      pair_source(0),  pair_source(1),  pair_source(2),  pair_source(3),  pair_source(4),  pair_source(5),
-      pair_source(6),  pair_source(7),  pair_source(8),  pair_source(9),  pair_source(10), pair_source(11),
-      pair_source(12), pair_source(13), pair_source(14), pair_source(15), pair_source(16), pair_source(17),
-      pair_source(18), pair_source(19), pair_source(20), pair_source(21), pair_source(22), pair_source(23),
-      pair_source(24), pair_source(25), pair_source(26), pair_source(27), pair_source(28), pair_source(29),
-      pair_source(30), pair_source(31)};
-  const __m512i order = _mm512_load_si512(kOrder);
+  alignas(64) static constexpr auto kOrder = pair_words([](int e) { return e; });
+  const __m512i order = _mm512_load_si512(kOrder.data());
   // The least nonzero magnitude over the block, as its bits shifted up one (x + x drops
   // the sign): three integer ops per 32 K elements, shared by the NR rows, and no
   // constant to hold (with a mask and a 1 held, the fold state went through the stack).
