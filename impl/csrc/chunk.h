@@ -380,9 +380,8 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     const int n = chi[r] - clo[r];
     if (pr.logits) to_logits(pr, s.heads[r], s.pos[r], clo[r], sc, n);
     const float m = max_of(sc, n);
-    exp2_shifted(sc, n, m, pr.qk_scale);
     ml[2 * r] = m;
-    ml[2 * r + 1] = lane_sum(sc, clo[r], n);
+    ml[2 * r + 1] = exp2_shifted(sc, n, m, pr.qk_scale, clo[r]);
     if constexpr (kQuantized<E>) {  // V's scale, once per weight, after the denominator took it
       const float* vs = s.value_scales.data() + (r / per_head) * kChunk + (clo[r] - jlo);
       for (int k = 0; k < n; ++k) sc[k] *= vs[k];

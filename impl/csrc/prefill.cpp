@@ -74,22 +74,31 @@ void run_prefill(const Problem& pr, const typename E::T* q, const typename KV::T
     } else {
       load_query_rows<E>(pr, q, task.b, s.heads.data(), s.positions.data(), R, s.q32.data());
     }
+    // The first chunk's states are written where the rows' merged states live: merging
+    // them into states that saw no key would copy them unchanged (merge_state), and that
+    // copy was 1.5% of a f32 prefill L 2048 pages of 128.
+    bool first = true;
     for (int c = lo_min / kChunk; c <= (hi_max - 1) / kChunk; ++c) {
       int jlo, jhi;
       clip_to_chunk(c, R, s.lo.data(), s.hi.data(), s.clo.data(), s.chi.data(), jlo, jhi);
       if (jlo >= jhi) continue;
+      float* ml = first ? s.acc_ml.data() : s.chunk_ml.data();
+      float* o = first ? s.acc_o.data() : s.chunk_o.data();
       const int64_t* voff = resolve_kv_rows(pr, task.b, task.g, jlo, jhi, s);
       if constexpr (std::is_same_v<E, BF16> && std::is_same_v<KV, BF16>) {
         if (amx) {
           amx_attend_chunk(pr, kpool, vpool, s.off.data(), jlo, jhi, R, 1, s.clo.data(), s.chi.data(), *amx, s,
-                           s.chunk_ml.data(), s.chunk_o.data());
+                           ml, o);
         }
       }
       if (!amx) {
         const ChunkRows<KV> kv = rows_of_chunk<KV>(pr, kpool, vpool, voff, jlo, jhi, 1, s);
         attend_chunk<KV>(kv.pr, kv.k, kv.v, kv.off, kv.voff, jlo, jhi, s.q32.data(), R, 1, s.clo.data(),
-                         s.chi.data(), s, s.chunk_ml.data(), s.chunk_o.data(),
-                         /*values_by_group=*/true);
+                         s.chi.data(), s, ml, o, /*values_by_group=*/true);
+      }
+      if (first) {
+        first = false;
+        continue;
       }
       for (int r = 0; r < R; ++r) {
         merge_state(s.acc_ml[2 * r], s.acc_ml[2 * r + 1], s.acc_o.data() + static_cast<int64_t>(r) * Dv,
