@@ -74,3 +74,17 @@ def set_pair_dots(on: bool) -> None:
     if not isinstance(on, bool):
         raise ValueError(f"set_pair_dots takes True or False, got {on!r}")
     _kernels.set_pair_dots(on)
+
+
+def output_cache_stats() -> dict:
+    """The kept buffer of large outputs (impl/csrc/output_cache.h): `reused`, outputs of
+    32-512 MiB given the buffer a dead output of the same size left; `fresh`, those given
+    a new one (which Linux faults in and zeroes); `held`, the bytes kept now (one buffer
+    at most, freed by a call of another size or by release_output_cache)."""
+    return dict(_kernels.output_cache_stats())
+
+
+def release_output_cache() -> int:
+    """Frees the kept output buffer; returns its bytes (0 when none was kept)."""
+    return _kernels.release_output_cache()
+

@@ -7,6 +7,7 @@
 #include "huge_pages.h"
 #include "kernel_info.h"
 #include "metadata_check.h"
+#include "output_cache.h"
 #include "paged_attention.h"
 #include "pool_update.h"
 #include "thread_pool.h"
@@ -101,6 +102,20 @@ NB_MODULE(_kernels, m) {
   m.def("pair_dots_enabled", &pagecheck::pair_dots_enabled, "Whether bfloat16 scores run on the pair dot product now.");
   m.def("set_pair_dots", &pagecheck::set_pair_dots, "on"_a,
         "Switch the pair dot product of bfloat16 scores on or off (same bits either way).");
+  m.def(
+      "output_cache_stats",
+      [] {
+        const pagecheck::OutputCacheStats s = pagecheck::output_cache_stats();
+        nb::dict d;
+        d["reused"] = s.reused;
+        d["fresh"] = s.fresh;
+        d["held"] = s.held;
+        return d;
+      },
+      "Large outputs (32-512 MiB) given the buffer a dead output left (reused) or a new one (fresh), "
+      "and the bytes kept now (held).");
+  m.def("release_output_cache", &pagecheck::release_output_cache,
+        "Frees the kept output buffer; returns its bytes (0 when none was kept).");
   m.def("fma_peak_gflops", &pagecheck::fma_peak_gflops, "seconds"_a = 0.3, nb::call_guard<nb::gil_scoped_release>(),
         "GFLOP/s of independent fused multiply-add chains on the kernels' threads (benchmark limit).");
   m.def(

@@ -5,9 +5,9 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "huge_pages.h"
 #include "kernel.h"
 #include "kernel_info.h"
+#include "output_cache.h"
 #include "packed_layout.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -149,16 +149,6 @@ std::vector<mx::array> checked_inputs(const CallArrays& a, const CallOptions& o)
   }
   return {query, key_pages, value_pages, block_table, context_lens, a.alibi_slopes.value_or(no_vector()),
           a.sinks.value_or(no_vector()), a.k_scale.value_or(unit_scale()), a.v_scale.value_or(unit_scale())};
-}
-
-// The buffer of one of a call's outputs. MLX's CPU allocator gives buffers of 32 MiB and
-// more back to the system when they are freed, so each call faults its output in anew:
-// 8192 faults of 4 KiB for a causal f32 prefill at L 2048 (127 ms a call), 16 of 2 MiB
-// once the attention output is advised onto them (`advise`; 123 ms).
-mx::allocator::Data output_buffer(size_t bytes, bool advise) {
-  mx::allocator::Data data = mx::allocator::malloc(bytes);
-  if (advise) huge_pages(data.buffer().raw_ptr(), bytes, /*now=*/false);
-  return data;
 }
 
 // An evaluated array of `shape` on such a buffer (its values are the caller's to write).
