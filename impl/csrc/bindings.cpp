@@ -92,6 +92,8 @@ NB_MODULE(_kernels, m) {
   m.def("worker_yields", &pagecheck::worker_yields, "For tests: times an idle worker yielded its core so far.");
   m.def("worker_early_yields", &pagecheck::worker_early_yields,
         "For tests: idle spells in which a worker yielded its core before its hold had passed (0 when sound).");
+  m.def("decode_heads_per_item", &pagecheck::decode_heads_per_item, "chunk_items"_a, "kv_heads"_a, "item_keys"_a,
+        "query_len"_a, "For tests: KV heads per work item of the decode schedule on the current worker count.");
   m.def("amx_supported", &pagecheck::amx_supported,
         "Whether bfloat16 calls can run on AMX tiles here (build, CPU and Linux all allow it).");
   m.def("amx_enabled", &pagecheck::amx_enabled, "Whether bfloat16 calls run on AMX tiles now.");

@@ -4,6 +4,8 @@
 // seeded mutant of those is one rebuild of the kernels: mutants/runner.py).
 #pragma once
 
+#include <cstdint>
+
 namespace pagecheck {
 
 struct KernelInfo {
@@ -32,5 +34,10 @@ bool pair_dots_enabled();
 // Switches them on or off for later calls; on throws std::invalid_argument where
 // pair_dots_supported() is false.
 void set_pair_dots(bool on);
+
+// KV heads per work item of the decode schedule (decode.cpp) for `chunk_items` (request,
+// chunk) pairs whose chunks hold `item_keys` keys each on average, L query positions, on
+// the current worker count.
+int decode_heads_per_item(int64_t chunk_items, int Hkv, int64_t item_keys, int L);
 
 }  // namespace pagecheck
