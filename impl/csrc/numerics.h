@@ -172,18 +172,12 @@ inline float dot16(const float* q, const typename E::T* k, int D) {
 // Sum of p[0 .. n) where p[i] belongs to absolute key position first + i: lane k adds
 // the keys at positions == k (mod 16) in ascending order, then fold_lanes. Lanes follow
 // absolute positions, so every row that sees the same keys gets the same sum, however
-// its chunk was clipped.
+// its chunk was clipped. The AVX-512 build sums as it makes the weights instead
+// (blocks.h exp2_shifted, the same bits); this is the plain build's.
 inline float lane_sum(const float* p, int first, int n) {
   float acc[kLanes] = {};
   int i = 0;
   for (; i < n && (first + i) % kLanes != 0; ++i) acc[(first + i) % kLanes] += p[i];
-#if defined(__AVX512F__)  // the same adds, 16 lanes at once (GCC left this loop scalar)
-  if (i + kLanes <= n) {
-    __m512 v = _mm512_loadu_ps(acc);
-    for (; i + kLanes <= n; i += kLanes) v = _mm512_add_ps(v, _mm512_loadu_ps(p + i));
-    _mm512_storeu_ps(acc, v);
-  }
-#endif
   for (; i + kLanes <= n; i += kLanes) {
     for (int k = 0; k < kLanes; ++k) acc[k] += p[i + k];
   }
