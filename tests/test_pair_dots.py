@@ -6,11 +6,15 @@ Skipped where the build has no AVX512-BF16; the tile path is switched off throug
 | what must hold                                                  | test                                          |
 |-----------------------------------------------------------------|-----------------------------------------------|
 | same bits on and off: GQA groups of 1-4 rows, head dims 32-128, | test_same_bits_either_way                     |
-| pages of 1-128, windows, a negative scale, soft-cap, sinks    |                                               |
+| pages of 1-128, windows, a negative scale, soft-cap, sinks;     |                                               |
+| 16 and 48 rows a head (blocks put in pair order once; decode,   |                                               |
+| prefill), 64 (transposed)                                       |                                               |
 | ... and every score's last bit (512 rows whose lse show it)     | test_every_score_keeps_its_last_bit           |
 | K blocks with subnormal elements (flushed by vdpbf16ps) take    | test_subnormal_keys_take_the_fma_loop         |
-| the FMA loop                                                    |                                               |
+| the FMA loop, read in place or put in pair order                |                                               |
 | query rows whose products underflow take the FMA loop           | test_tiny_queries_take_the_fma_loop           |
+| it applies below 64 rows a head (where blocks are transposed),  | test_applies_below_the_transposed_blocks      |
+| to bfloat16 head dims that are multiples of 32, while on        |                                               |
 | the default: on where the build has it and the CPU is AMD's,    | test_default_follows_the_cpu_and_the_variable |
 | $PAGECHECK_PAIR_DOTS overrides                                  |                                               |
 | the switch takes a bool only                                    | test_switch_takes_only_a_bool                 |
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pagecheck_kernels
 import pytest
 
 import impl
@@ -42,9 +47,16 @@ NO_PAIRS = "this build has no AVX512-BF16 (impl/csrc/pair_dots.h)"
 ROOT = Path(__file__).resolve().parents[1]
 
 # (context_lens, query_len, q_heads, kv_heads, head_dim, page_size, window): rows per KV
-# head 1-4 (the loop's NR), head dims that are and are not multiples of 32 (48: the FMA
-# loop alone), pages smaller than a block, windows, several chunks.
+# head 1-4 (the loop's NR), 16 (blocks put in pair order once for four row groups: a
+# decode's longer queries), 48 (a short prefill's query block), 64 (blocks transposed:
+# the pair loop stays off), head dims
+# that are and are not multiples of 32 (48: the FMA loop alone), pages smaller than a
+# block, windows, several chunks.
 LAYOUTS = {
+    "group-4-four-rows-d128-pages-16": ([300, 37], 4, 8, 2, 128, 16, None),
+    "group-2-eight-rows-d64-pages-128": ([600, 9], 8, 4, 2, 64, 128, None),
+    "group-8-eight-rows-transposed": ([90], 8, 8, 1, 32, 16, None),
+    "group-4-twelve-rows-prefill": ([40, 300], 12, 8, 2, 128, 16, None),
     "group-4-d128-pages-16": ([37, 300], 1, 8, 2, 128, 16, None),
     "group-1-d64-pages-1": ([70, 3], 1, 2, 2, 64, 1, None),
     "group-2-two-rows-pages-128": ([129, 5, 600], 2, 2, 2, 128, 128, None),
@@ -124,11 +136,15 @@ def test_every_score_keeps_its_last_bit(scale):
     assert on == off
 
 
-def test_subnormal_keys_take_the_fma_loop():
+GUARDED = ["group-4-d128-pages-16", "group-4-four-rows-d128-pages-16"]  # blocks in place, blocks in pair order
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_subnormal_keys_take_the_fma_loop(name):
     """K elements below float32's normal range (bfloat16 subnormals): vdpbf16ps reads them
     as zero. KV head 0 holds only such keys (scores of about 2^-127, logits of about 1 at
     this scale), KV head 1 normal ones (its blocks take the pair loop)."""
-    case = layout_case("group-4-d128-pages-16", seed=11)
+    case = layout_case(name, seed=11)
     rng = np.random.default_rng(11)
     keys = np.array(case.key_pages.astype(mx.float32))
     keys[:, 0] = magnitudes(rng, keys[:, 0].shape, -131)
@@ -137,11 +153,12 @@ def test_subnormal_keys_take_the_fma_loop():
     assert on == off
 
 
-def test_tiny_queries_take_the_fma_loop():
+@pytest.mark.parametrize("name", GUARDED)
+def test_tiny_queries_take_the_fma_loop(name):
     """Query elements of 2^-100 against K elements of 2^-40, both normal bfloat16s: their
     products (2^-140) are subnormal, which vdpbf16ps flushes to zero. One query head of
     each group is tiny, the others normal (they take the pair loop)."""
-    case = layout_case("group-4-d128-pages-16", seed=12)
+    case = layout_case(name, seed=12)
     rng = np.random.default_rng(12)
     query = np.array(case.query.astype(mx.float32))
     query[:, ::4] = magnitudes(rng, query[:, ::4].shape, -100)
@@ -149,6 +166,19 @@ def test_tiny_queries_take_the_fma_loop():
     case = with_arrays(case, query=query, keys=keys).with_(scale=2.0 ** 126)
     on, off = bits_both_ways(case)
     assert on == off
+
+
+def test_applies_below_the_transposed_blocks():
+    """Rows per KV head: 1-4 score blocks read in place, 5-63 blocks put in pair order once
+    (a decode's longer queries; the FMA loop widened them instead, ~20% slower at 16
+    rows), 64 and more transposed blocks (the prefill's loop, no fold to halve)."""
+    pairs = pagecheck_kernels.pair_dots_apply
+    with pair_dots(True):
+        assert [pairs(rows, 128) for rows in (1, 4, 5, 16, 32, 63)] == [True] * 6
+        assert [pairs(64, 128), pairs(256, 128)] == [False, False]
+        assert [pairs(16, 96), pairs(16, 32), pairs(16, 48), pairs(4, 80)] == [True, True, False, False]
+    with pair_dots(False):
+        assert [pairs(rows, 128) for rows in (1, 16, 63)] == [False] * 3
 
 
 def _enabled_in_a_fresh_process(value):

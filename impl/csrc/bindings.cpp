@@ -94,6 +94,9 @@ NB_MODULE(_kernels, m) {
         "For tests: idle spells in which a worker yielded its core before its hold had passed (0 when sound).");
   m.def("decode_heads_per_item", &pagecheck::decode_heads_per_item, "chunk_items"_a, "kv_heads"_a, "item_keys"_a,
         "query_len"_a, "For tests: KV heads per work item of the decode schedule on the current worker count.");
+  m.def("pair_dots_apply", &pagecheck::pair_dots_apply, "rows_per_head"_a, "head_dim"_a,
+        "For tests: whether a bfloat16 call with this many query rows per KV head scores them on the pair dot "
+        "product now.");
   m.def("amx_supported", &pagecheck::amx_supported,
         "Whether bfloat16 calls can run on AMX tiles here (build, CPU and Linux all allow it).");
   m.def("amx_enabled", &pagecheck::amx_enabled, "Whether bfloat16 calls run on AMX tiles now.");

@@ -22,6 +22,17 @@ namespace pagecheck {
 // threads (perf): the score loop's share 42% -> 37% of the call, the transposes 0.6%.
 constexpr int kTransposeRows = 64;
 
+// Whether a KV head's `rows_per_head` query rows score its bfloat16 blocks on the pair dot
+// product (pair_dots.h): up to kRowBlock rows from the pool's rows, more (a decode's
+// longer queries, G x L rows) from a copy of each block in pair order made once for all
+// their row groups (pair_block); from kTransposeRows on, the block is transposed instead.
+// Mixed batch B 4 S 1024 bf16 pages of 16 (half the requests L 4: 16 rows a head), AMD,
+// 2 threads, against the FMA loop on blocks widened once: 1.15-1.27 -> 0.99-1.08 ms.
+template <class E>
+inline bool pairs_apply(int rows_per_head, int D) {
+  return std::is_same_v<E, BF16> && rows_per_head < kTransposeRows && D % 32 == 0 && pair_dots_enabled();
+}
+
 // A block's K rows as the score loop reads them. Few rows per block (a decode head's
 // GQA group): in place, a half type widened in registers as each vector is loaded, so
 // no widening pass through memory. Many (a decode's longer queries): widened once into
@@ -35,11 +46,18 @@ struct BlockRows {
   using T = typename E::T;
   const T* in_pool[kBlock];
   const float* widened[kBlock];
+  const uint16_t* ordered[kBlock];  // in pair order (pair_block), where `paired`
   bool use_widened = false;
+  bool paired = false;      // ordered holds the block, which passed pair_block's guard
   const float* transposed = nullptr;  // D x 16 (transpose_block), or null
 
-  void point(const T* pool, const int64_t* off, int n, int D, int rows_per_head, Scratch& s) {
+  // pairs: the rows of this head may be scored on the pair dot product (attend_chunk's
+  // `pairs`); next: the pool rows of the block read after this one (ask_next), or null.
+  void point(const T* pool, const int64_t* off, int n, int D, int rows_per_head, bool pairs, Scratch& s,
+             const T* const* next) {
     transposed = nullptr;
+    paired = false;
+    use_widened = false;
 #if defined(__AVX512F__)
     if (rows_per_head >= kTransposeRows && D % kLanes == 0) {
       pool_rows<E>(pool, off, n, s.zero_row<T>(), in_pool);
@@ -48,10 +66,19 @@ struct BlockRows {
       return;
     }
 #endif
-    const bool widen_once = rows_per_head > kRowBlock;
-    use_widened = widen_once && !read_in_place<E>(pool + off[0], D);
+    pool_rows<E>(pool, off, n, s.zero_row<T>(), in_pool);
+    if (rows_per_head <= kRowBlock) return;  // one call of the loop: read in place
+    if constexpr (std::is_same_v<E, BF16>) {
+      // Put in pair order once for all row groups (pair_block). A block that fails the
+      // guard is scored from the pool's rows (read in place, widened in registers), its
+      // groups few enough: a decode's query of at most 8 rows.
+      if (pairs) {
+        paired = pair_block(in_pool, D, reinterpret_cast<uint16_t*>(s.block.data()), ordered, next);
+        return;
+      }
+    }
+    use_widened = !read_in_place<E>(pool + off[0], D);
     if (use_widened) widen_rows<E>(pool, off, n, D, s.block.data(), s.zeros.data(), widened);
-    else pool_rows<E>(pool, off, n, s.zero_row<T>(), in_pool);
   }
   // next: the pool rows of the block read after this one, asked for while this one
   // computes (ask_next), or null. A widened block is reused by many row groups, so its
@@ -68,6 +95,7 @@ struct BlockRows {
   // but not for use: then scores() is the way).
   bool pair_scores(const uint16_t* const* qp, int nr, int D, float* const* out, const T* const* next) const {
     if constexpr (std::is_same_v<E, BF16>) {
+      if (paired) return scores16_pairs_rows<true>(qp, nr, ordered, D, out, nullptr);
       if (!use_widened && transposed == nullptr) return scores16_pairs_rows(qp, nr, in_pool, D, out, next);
     }
     return false;
@@ -319,7 +347,7 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   // The rows' queries in pair order, where a bfloat16 block read in place may score them
   // on the pair dot product (pair_dots.h): a row that fails pair_query's guard, and any
   // block scored with it, take the FMA loop.
-  const bool pairs = std::is_same_v<E, BF16> && per_head <= kRowBlock && D % 32 == 0 && pair_dots_enabled();
+  const bool pairs = pairs_apply<E>(per_head, D);
   if (pairs) {
     s.q_pairs.resize(static_cast<size_t>(rows) * D);
     s.q_pairs_ok.resize(rows);
@@ -330,7 +358,7 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
   for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, head_stride, zero_row,
                       [&](int h, int jb, int n, const T* const* next) {
     const T* kh = kpool + h * head_stride;
-    block.point(kh, off + (jb - jlo), n, D, per_head, s);
+    block.point(kh, off + (jb - jlo), n, D, per_head, pairs, s, next);
     // A float32 value pass that copies the chunk's V rows after the softmax (pool rows
     // that start mid cache line, as MLX's do) gets them from L2 instead of L3 when they
     // are asked for now: L 2048 prefill, 2 threads, 120.4 -> 117.9 ms. Measured and left

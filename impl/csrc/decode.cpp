@@ -189,6 +189,8 @@ int decode_heads_per_item(int64_t chunk_items, int Hkv, int64_t item_keys, int L
   return heads_per_task(chunk_items, Hkv, item_keys, L);
 }
 
+bool pair_dots_apply(int rows_per_head, int D) { return pairs_apply<BF16>(rows_per_head, D); }
+
 #define PAGECHECK_RUN_DECODE(E, KV) \
   template void run_decode<E, KV>(const Problem&, const E::T*, const KV::T*, const KV::T*, E::T*, const std::vector<int>&);
 PAGECHECK_FOR_EACH_POOL_TYPE(PAGECHECK_RUN_DECODE)

@@ -40,4 +40,8 @@ void set_pair_dots(bool on);
 // the current worker count.
 int decode_heads_per_item(int64_t chunk_items, int Hkv, int64_t item_keys, int L);
 
+// Whether a bfloat16 call whose KV heads have `rows_per_head` query rows each, of head dim
+// D, scores them on the pair dot product now (chunk.h pairs_apply).
+bool pair_dots_apply(int rows_per_head, int D);
+
 }  // namespace pagecheck

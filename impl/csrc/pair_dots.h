@@ -67,19 +67,36 @@ inline bool pair_query(const float* q, int D, uint16_t* qp) {
   return tiny == 0;
 }
 
-// NR rows x 16 keys from bfloat16 K rows in the pool (D % 32 == 0), queries in pair
-// order (pair_query): scores16_block's loop and fold with one vdpbf16ps where it had
-// two FMAs. Returns false, with s written but not for use, where an element of the K
-// rows is tiny (then the caller scores the block with scores16_block).
-template <int NR>
+// The guard over a block's K elements: the least nonzero magnitude seen, as its bits
+// shifted up one (x + x drops the sign): three integer ops per 32 K elements, and no
+// constant to hold (with a mask and a 1 held, the fold state went through the stack).
+struct KeyGuard {
+  __m512i least = _mm512_set1_epi16(-1);
+  __attribute__((always_inline)) void see(__m512i raw) {
+    const __m512i twice = _mm512_add_epi16(raw, raw);
+    least = _mm512_mask_min_epu16(least, _mm512_test_epi16_mask(twice, twice), least, twice);
+  }
+  // No element seen was tiny (kTinyBits).
+  bool passed() const { return _mm512_cmplt_epu16_mask(least, _mm512_set1_epi16(2 * kTinyBits)) == 0; }
+};
+
+// pair_words' permute of 32 elements, as a vector of indices.
+inline __m512i pair_order() {
+  alignas(64) static constexpr auto kOrder = pair_words([](int e) { return e; });
+  return _mm512_load_si512(kOrder.data());
+}
+
+// NR rows x 16 keys from bfloat16 K rows (D % 32 == 0), queries in pair order
+// (pair_query): scores16_block's loop and fold with one vdpbf16ps where it had two FMAs.
+// Rows in the pool (kOrdered false): each 32 K elements are guarded and put in pair
+// order as they are loaded, shared by the NR rows; returns false, with s written but not
+// for use, where an element is tiny (then the caller scores the block with
+// scores16_block). Rows of pair_block (kOrdered true): loaded as they are; returns true.
+template <int NR, bool kOrdered>
 __attribute__((noinline)) bool scores16_pairs(const uint16_t* const* qp, const uint16_t* const* rows, int D,
                                               float* const* s, const uint16_t* const* next) {
-  alignas(64) static constexpr auto kOrder = pair_words([](int e) { return e; });
-  const __m512i order = _mm512_load_si512(kOrder.data());
-  // The least nonzero magnitude over the block, as its bits shifted up one (x + x drops
-  // the sign): three integer ops per 32 K elements, shared by the NR rows, and no
-  // constant to hold (with a mask and a 1 held, the fold state went through the stack).
-  __m512i least = _mm512_set1_epi16(-1);
+  const __m512i order = pair_order();
+  KeyGuard guard;
   KeyFold<NR> fold;
 #pragma GCC unroll 4
   for (int k0 = 0; k0 < kBlock; k0 += 4) {
@@ -88,12 +105,15 @@ __attribute__((noinline)) bool scores16_pairs(const uint16_t* const* qp, const u
     for (int d = 0; d < D; d += 32) {
       __m512i kv[4];
       for (int i = 0; i < 4; ++i) {
-        const __m512i raw = _mm512_loadu_si512(rows[k0 + i] + d);
-        const __m512i twice = _mm512_add_epi16(raw, raw);
-        least = _mm512_mask_min_epu16(least, _mm512_test_epi16_mask(twice, twice), least, twice);
-        kv[i] = _mm512_permutexvar_epi16(order, raw);
+        if constexpr (kOrdered) {
+          kv[i] = _mm512_load_si512(rows[k0 + i] + d);
+        } else {
+          const __m512i raw = _mm512_loadu_si512(rows[k0 + i] + d);
+          guard.see(raw);
+          kv[i] = _mm512_permutexvar_epi16(order, raw);
+          ask_next<BF16>(next, k0 + i, d);
+        }
         in_register(kv[i]);
-        ask_next<BF16>(next, k0 + i, d);
       }
       for (int r = 0; r < NR; ++r) {
         __m512i qv = _mm512_loadu_si512(qp[r] + d);
@@ -104,17 +124,41 @@ __attribute__((noinline)) bool scores16_pairs(const uint16_t* const* qp, const u
     fold.add(k0 / 4, a);
   }
   fold.store(s);
-  return _mm512_cmplt_epu16_mask(least, _mm512_set1_epi16(2 * kTinyBits)) == 0;
+  return kOrdered || guard.passed();
+}
+
+// A block's 16 K rows in pair order, once, for a head with more rows than one call of
+// the loop takes (a decode's longer queries: G x L rows): into `out` (16 x D elements,
+// 64-byte aligned), its rows' pointers into `ordered`. Each row group then loads them
+// as they are (scores16_pairs<NR, true>), where each group guarded and permuted every K
+// element again. False where an element is tiny (then the block takes scores16_block,
+// from the pool's rows). next: as scores16_pairs'.
+inline bool pair_block(const uint16_t* const* rows, int D, uint16_t* out, const uint16_t** ordered,
+                       const uint16_t* const* next) {
+  const __m512i order = pair_order();
+  KeyGuard guard;
+  for (int k = 0; k < kBlock; ++k) {
+    uint16_t* row = out + static_cast<int64_t>(k) * D;
+    for (int d = 0; d < D; d += 32) {
+      const __m512i raw = _mm512_loadu_si512(rows[k] + d);
+      guard.see(raw);
+      _mm512_store_si512(row + d, _mm512_permutexvar_epi16(order, raw));
+      ask_next<BF16>(next, k, d);
+    }
+    ordered[k] = row;
+  }
+  return guard.passed();
 }
 
 // scores16_pairs for nr <= kRowBlock rows.
+template <bool kOrdered = false>
 inline bool scores16_pairs_rows(const uint16_t* const* qp, int nr, const uint16_t* const* rows, int D,
                                 float* const* s, const uint16_t* const* next) {
   switch (nr) {
-    case 1: return scores16_pairs<1>(qp, rows, D, s, next);
-    case 2: return scores16_pairs<2>(qp, rows, D, s, next);
-    case 3: return scores16_pairs<3>(qp, rows, D, s, next);
-    default: return scores16_pairs<4>(qp, rows, D, s, next);
+    case 1: return scores16_pairs<1, kOrdered>(qp, rows, D, s, next);
+    case 2: return scores16_pairs<2, kOrdered>(qp, rows, D, s, next);
+    case 3: return scores16_pairs<3, kOrdered>(qp, rows, D, s, next);
+    default: return scores16_pairs<4, kOrdered>(qp, rows, D, s, next);
   }
 }
 #else
@@ -122,9 +166,14 @@ inline constexpr bool kPairDotsBuilt = false;
 
 inline bool pair_query(const float*, int, uint16_t*) { return false; }
 
+template <bool kOrdered = false>
 inline bool scores16_pairs_rows(const uint16_t* const*, int, const uint16_t* const*, int, float* const*,
                                 const uint16_t* const*) {
   return false;  // never called: pair_dots_enabled() is false in such a build
+}
+
+inline bool pair_block(const uint16_t* const*, int, uint16_t*, const uint16_t**, const uint16_t* const*) {
+  return false;  // never called, as scores16_pairs_rows
 }
 #endif
 
