@@ -4,6 +4,7 @@
 #include <nanobind/stl/variant.h>
 
 #include "fma_peak.h"
+#include "aligned_array.h"
 #include "huge_pages.h"
 #include "kernel_info.h"
 #include "metadata_check.h"
@@ -123,6 +124,9 @@ NB_MODULE(_kernels, m) {
         "Frees the kept output buffer; returns its bytes (0 when none was kept).");
   m.def("fma_peak_gflops", &pagecheck::fma_peak_gflops, "seconds"_a = 0.3, nb::call_guard<nb::gil_scoped_release>(),
         "GFLOP/s of independent fused multiply-add chains on the kernels' threads (benchmark limit).");
+  m.def("aligned_copy", &pagecheck::aligned_copy, "array"_a,
+        "A row-contiguous copy of `array` (evaluated first) whose data starts on a 64-byte boundary "
+        "(MLX's own large buffers start 24 bytes into one); ValueError for an array of no elements.");
   m.def(
       "huge_pages",
       [](mlx::core::array a) {

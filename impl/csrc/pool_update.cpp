@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "aligned_array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "packed_layout.h"
 #include "paged_attention.h"
@@ -31,7 +32,7 @@ bool take_over(const mx::array& pool, mx::array& out) {
     out.copy_shared_buffer(pool);
     return false;
   }
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  set_aligned_data(out);  // on cache lines, as impl.PagePool's pages
   g_pool_copies.fetch_add(1, std::memory_order_relaxed);
   return true;
 }

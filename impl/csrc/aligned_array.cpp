@@ -1,0 +1,58 @@
+#include "aligned_array.h"
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/ops.h"
+
+namespace pagecheck {
+
+namespace mx = mlx::core;
+
+namespace {
+
+// Elements from the start of `block`'s data to the first line boundary in it. MLX's
+// buffers start at least 8-byte aligned, so the bytes are a whole number of elements of
+// every page dtype (1, 2 or 4 bytes).
+int64_t skip_to_line(const mx::array& block) {
+  const auto at = reinterpret_cast<uintptr_t>(block.data<char>());
+  return static_cast<int64_t>((kLineBytes - at % kLineBytes) % kLineBytes / block.itemsize());
+}
+
+}  // namespace
+
+mx::array aligned_copy(const mx::array& a) {
+  if (a.size() == 0) throw std::invalid_argument("aligned_copy: the array has no elements");
+  mx::array src = mx::contiguous(a, /*allow_col_major=*/false, mx::Device::cpu);
+  src.eval();
+  const int64_t n = static_cast<int64_t>(src.size()), line = static_cast<int64_t>(kLineBytes / src.itemsize());
+  mx::array block = mx::zeros({static_cast<int>(n + line)}, src.dtype(), mx::Device::cpu);
+  block.eval();
+  const int skip = static_cast<int>(skip_to_line(block));
+  mx::array out = mx::reshape(mx::slice(block, {skip}, {static_cast<int>(skip + n)}, mx::Device::cpu), src.shape(),
+                              mx::Device::cpu);
+  out.eval();
+  std::memcpy(out.data<char>(), src.data<char>(), src.nbytes());
+  return out;
+}
+
+void set_aligned_data(mx::array& out) {
+  const int64_t line = static_cast<int64_t>(kLineBytes / out.itemsize());
+  mx::array block(mx::allocator::malloc(out.nbytes() + kLineBytes), mx::Shape{static_cast<int>(out.size() + line)},
+                  out.dtype());
+  // What set_data gives a row-contiguous array of this shape.
+  mx::Strides strides(out.ndim(), 1);
+  int spread = 0;  // dimensions longer than 1
+  for (int i = static_cast<int>(out.ndim()) - 1; i >= 0; --i) {
+    if (i + 1 < static_cast<int>(out.ndim())) strides[i] = strides[i + 1] * out.shape(i + 1);
+    spread += out.shape(i) > 1;
+  }
+  mx::array::Flags flags{};
+  flags.contiguous = flags.row_contiguous = true;
+  flags.col_contiguous = spread <= 1;
+  out.copy_shared_buffer(block, strides, flags, out.size(), skip_to_line(block));
+}
+
+}  // namespace pagecheck
