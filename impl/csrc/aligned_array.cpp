@@ -23,25 +23,10 @@ int64_t skip_to_line(const mx::array& block) {
 
 }  // namespace
 
-mx::array aligned_copy(const mx::array& a) {
-  if (a.size() == 0) throw std::invalid_argument("aligned_copy: the array has no elements");
-  mx::array src = mx::contiguous(a, /*allow_col_major=*/false, mx::Device::cpu);
-  src.eval();
-  const int64_t n = static_cast<int64_t>(src.size()), line = static_cast<int64_t>(kLineBytes / src.itemsize());
-  mx::array block = mx::zeros({static_cast<int>(n + line)}, src.dtype(), mx::Device::cpu);
-  block.eval();
-  const int skip = static_cast<int>(skip_to_line(block));
-  mx::array out = mx::reshape(mx::slice(block, {skip}, {static_cast<int>(skip + n)}, mx::Device::cpu), src.shape(),
-                              mx::Device::cpu);
-  out.eval();
-  std::memcpy(out.data<char>(), src.data<char>(), src.nbytes());
-  return out;
-}
-
 void set_aligned_data(mx::array& out) {
-  const int64_t line = static_cast<int64_t>(kLineBytes / out.itemsize());
-  mx::array block(mx::allocator::malloc(out.nbytes() + kLineBytes), mx::Shape{static_cast<int>(out.size() + line)},
-                  out.dtype());
+  // The buffer's holder has one element: only its data is shared, and MLX's axes are
+  // int32, too short to count the elements of a large pool in one.
+  const mx::array block(mx::allocator::malloc(out.nbytes() + kLineBytes), mx::Shape{1}, out.dtype());
   // What set_data gives a row-contiguous array of this shape.
   mx::Strides strides(out.ndim(), 1);
   int spread = 0;  // dimensions longer than 1
@@ -53,6 +38,17 @@ void set_aligned_data(mx::array& out) {
   flags.contiguous = flags.row_contiguous = true;
   flags.col_contiguous = spread <= 1;
   out.copy_shared_buffer(block, strides, flags, out.size(), skip_to_line(block));
+}
+
+mx::array aligned_copy(const mx::array& a) {
+  if (a.size() == 0) throw std::invalid_argument("aligned_copy: the array has no elements");
+  mx::array src = mx::contiguous(a, /*allow_col_major=*/false, mx::Device::cpu);
+  src.eval();
+  mx::array out(src.shape(), src.dtype(), nullptr, {});  // made here, not computed: no primitive
+  set_aligned_data(out);
+  out.set_status(mx::array::Status::available);
+  std::memcpy(out.data<char>(), src.data<char>(), src.nbytes());
+  return out;
 }
 
 }  // namespace pagecheck

@@ -37,9 +37,10 @@ inline bool pairs_apply(int rows_per_head, int D) {
 // GQA group): in place, a half type widened in registers as each vector is loaded, so
 // no widening pass through memory. Many (a decode's longer queries): widened once into
 // float32 scratch, then reused by every row group; float32 rows are copied there only
-// when they start mid cache line (read_in_place). At least kTransposeRows (a prefill):
-// transposed once into scratch, widened as it goes. Widening, copying and transposing
-// are exact and the transposed loop adds in the fold's pairs, so every way gives the
+// when they start mid cache line (read_in_place); bfloat16 rows on the pair dot product
+// are put in pair order once instead (pair_block). At least kTransposeRows (a prefill):
+// transposed once into scratch, widened as it goes. Widening, copying, pairing and
+// transposing are exact and every loop adds in the fold's pairs, so every way gives the
 // same bits.
 template <class E>
 struct BlockRows {
@@ -70,8 +71,8 @@ struct BlockRows {
     if (rows_per_head <= kRowBlock) return;  // one call of the loop: read in place
     if constexpr (std::is_same_v<E, BF16>) {
       // Put in pair order once for all row groups (pair_block). A block that fails the
-      // guard is scored from the pool's rows (read in place, widened in registers), its
-      // groups few enough: a decode's query of at most 8 rows.
+      // guard (an element below 2^-51: rare) is scored by the FMA loop from the pool's
+      // rows, widened in registers by each row group.
       if (pairs) {
         paired = pair_block(in_pool, D, reinterpret_cast<uint16_t*>(s.block.data()), ordered, next);
         return;
