@@ -1,10 +1,12 @@
 #include "aligned_array.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 
 #include "mlx/allocator.h"
+#include "mlx/backend/common/utils.h"
 #include "mlx/ops.h"
 
 namespace pagecheck {
@@ -27,17 +29,12 @@ void set_aligned_data(mx::array& out) {
   // The buffer's holder has one element: only its data is shared, and MLX's axes are
   // int32, too short to count the elements of a large pool in one.
   const mx::array block(mx::allocator::malloc(out.nbytes() + kLineBytes), mx::Shape{1}, out.dtype());
-  // What set_data gives a row-contiguous array of this shape.
-  mx::Strides strides(out.ndim(), 1);
-  int spread = 0;  // dimensions longer than 1
-  for (int i = static_cast<int>(out.ndim()) - 1; i >= 0; --i) {
-    if (i + 1 < static_cast<int>(out.ndim())) strides[i] = strides[i + 1] * out.shape(i + 1);
-    spread += out.shape(i) > 1;
-  }
+  // The strides and flags set_data gives a row-contiguous array of this shape.
   mx::array::Flags flags{};
   flags.contiguous = flags.row_contiguous = true;
-  flags.col_contiguous = spread <= 1;
-  out.copy_shared_buffer(block, strides, flags, out.size(), skip_to_line(block));
+  flags.col_contiguous = out.size() <= 1 || out.size() == static_cast<size_t>(*std::max_element(
+                                                               out.shape().begin(), out.shape().end()));
+  out.copy_shared_buffer(block, mx::make_contiguous_strides(out.shape()), flags, out.size(), skip_to_line(block));
 }
 
 mx::array aligned_copy(const mx::array& a) {

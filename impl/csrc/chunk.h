@@ -59,15 +59,14 @@ struct BlockRows {
     transposed = nullptr;
     paired = false;
     use_widened = false;
+    pool_rows<E>(pool, off, n, s.zero_row<T>(), in_pool);
 #if defined(__AVX512F__)
     if (rows_per_head >= kTransposeRows && D % kLanes == 0) {
-      pool_rows<E>(pool, off, n, s.zero_row<T>(), in_pool);
       transpose_block<E>(in_pool, D, s.block.data());
       transposed = s.block.data();
       return;
     }
 #endif
-    pool_rows<E>(pool, off, n, s.zero_row<T>(), in_pool);
     if (rows_per_head <= kRowBlock) return;  // one call of the loop: read in place
     if constexpr (std::is_same_v<E, BF16>) {
       // Put in pair order once for all row groups (pair_block). A block that fails the
