@@ -1,4 +1,4 @@
-"""Issue 6's goals, judged from a report's cases (bench/report.py) — never typed by hand.
+"""Issue 6's goals and issue 22's, judged from a report's cases (bench/report.py) — never typed by hand.
 
 | goal                                           | measured as                                        | met when |
 |------------------------------------------------|----------------------------------------------------|----------|
@@ -6,6 +6,7 @@
 | decode: paged bandwidth fraction, S >= 8192 f32 | worst paged bandwidth_fraction over those cases (against the read limit's stream timed beside each) | >= 70%   |
 | prefill: paged vs torch SDPA                   | worst torch / paged median over prefill cases (notes torch cases above the FMA peak) | >= 1x    |
 | decode / prefill: paged vs MLX SDPA            | worst mlx_sdpa / paged median (timed cases)         | >= 10x   |
+| decode from DRAM: bandwidth fraction          | worst bandwidth_fraction of pagecheck's serving path (SERVING_PATHS) over the decodes whose K/V bytes are at least the read stream's (`read_bytes`: 4x the last-level cache), every dtype and page size | >= 90%   |
 | decode: fp8 pages vs bf16 pages, S >= 8192, B >= 4 | worst paged (bf16 pages) / paged_fp8 median, bf16 queries | >= 1.8x |
 | decode: fp8 pages bandwidth fraction, S >= 8192, B >= 4 | worst paged_fp8 bandwidth_fraction (bytes actually read: 1-byte codes) | >= 70% |
 | write: 1 GiB / 64 MiB pool                     | worst median ratio (1-token append, 128-token chunk) | <= 1.2x  |
@@ -26,6 +27,7 @@ import statistics
 OVERHEAD_GOAL = "latency: paged_attention overhead, B1 S1024 ps16 f32"
 VLLM_EVERY_GOAL = "vLLM CPU: pagecheck >= 1.0x on every shape"
 VLLM_MEDIAN_GOAL = "vLLM CPU: pagecheck median speed-up"
+DRAM_GOAL = "decode from DRAM: bandwidth fraction"
 
 
 def _name(c: dict) -> str:
@@ -52,9 +54,7 @@ SERVING_PATHS = ("paged_packed", "paged_now", "paged")
 
 def _serving_speedup(cases, op, other):
     """_speedup against pagecheck's serving path on each shape (SERVING_PATHS)."""
-    rival, ours = _timed(cases, op, other), {}
-    for path in reversed(SERVING_PATHS):
-        ours.update(_timed(cases, op, path))
+    rival, ours = _timed(cases, op, other), _serving_cases(cases, op)
     return [(rival[k]["median_s"] / ours[k]["median_s"], ours[k]) for k in ours if k in rival]
 
 
@@ -100,6 +100,27 @@ def _pages_speedup(cases, path, keep):
     paged, quantized = _timed(cases, "decode", "paged"), _timed(cases, "decode", path)
     return [(paged[k]["median_s"] / quantized[k]["median_s"], quantized[k]) for k in quantized
             if k in paged and keep(quantized[k])]
+
+
+def _serving_cases(cases, op):
+    """{shape: case} of pagecheck's serving path on each shape (SERVING_PATHS)."""
+    ours = {}
+    for path in reversed(SERVING_PATHS):
+        ours.update(_timed(cases, op, path))
+    return ours
+
+
+def _from_dram(cases, limits: dict):
+    """Issue 22 point 5: [(bandwidth_fraction, case)] of the serving path's decodes that
+    read at least as many bytes as the read stream does (4x the last-level cache), so
+    their K/V cannot sit in the cache between calls and the fraction compares two reads
+    from DRAM. Smaller decodes read above the stream's rate whenever their K/V stays in
+    the cache, which says nothing of the memory path."""
+    floor = limits.get("read_bytes")
+    if floor is None:
+        return []
+    return [(c["bandwidth_fraction"], c) for c in _serving_cases(cases, "decode").values()
+            if "bandwidth_fraction" in c and c["bytes"] >= floor]
 
 
 def _bandwidth_bound(c: dict) -> bool:
@@ -179,11 +200,13 @@ def evaluate(report: dict) -> list[dict]:
               for c in cases if c["op"] == "write" and c["pool_mib"] != min(w["pool_mib"] for w in cases
                                                                          if w["op"] == "write")]
     prefill_torch = _speedup(cases, "prefill", "torch_sdpa")
+    dram = _from_dram(cases, report.get("limits", {}))
     goals = [
         _goal("decode: paged vs torch SDPA, S >= 1024", _speedup(cases, "decode", "torch_sdpa",
                                                                  lambda c: c["context"] >= 1024), 1.5,
               why_missing=no_torch),
         _goal("decode: paged bandwidth fraction, S >= 8192 f32", bw, 0.70, unit="%"),
+        _by_dtype(_goal(DRAM_GOAL, dram, 0.90, unit="%", why_missing="read limit not measured"), dram),
         _beyond_fma(_by_dtype(_goal("prefill: paged vs torch SDPA", prefill_torch, 1.0, why_missing=no_torch),
                               prefill_torch), cases),
         _goal("decode: paged vs MLX SDPA", _speedup(cases, "decode", "mlx_sdpa"), 10.0),
