@@ -1,7 +1,7 @@
 """Page storage on cache lines (impl/csrc/aligned_array.h): MLX's own large buffers start
 24 bytes into a 64-byte line, so every row of a pool did, and each 64-byte load of a
 row spanned two lines (a float32 decode B 1 S 1024 ran 3% slower on such pages).
-`aligned_copy` makes the copies impl.PagePool keeps (and the benchmark's pools), in MLX
+`aligned_full` makes impl.PagePool's pages, `aligned_copy` the benchmark's pools, in MLX
 buffers (a buffer with a deleter of its own is never donated: every in-place write would
 copy the pool); a pool copied by a write while the caller holds a layer stays on cache
 lines too.
@@ -12,6 +12,10 @@ lines too.
 | and lazy inputs too)                                                 |                                               |
 | one MLX buffer a line longer, given back with its last holder       | test_buffer_lives_with_its_arrays             |
 | an array of no elements: ValueError, nothing allocated               | test_no_elements_is_an_error                  |
+| aligned_full: on a line, every element the value's bits, 5 dtypes   | test_full_starts_on_a_line_with_every_element |
+| aligned_full of no elements or a value of several: ValueError,       | test_full_bad_inputs_allocate_nothing         |
+| nothing allocated                                                    |                                               |
+| a PagePool is built in its own storage: never a second layer held    | test_pool_is_built_without_a_second_layer     |
 | a PagePool's pages start on lines, through in-place writes and the   | test_pool_pages_stay_on_lines                 |
 | copy a held layer forces                                             |                                               |
 | the benchmark's pools are allocated as the PagePool's                | test_benchmark_pools_start_on_lines           |
@@ -20,6 +24,7 @@ lines too.
 from __future__ import annotations
 
 import gc
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -91,6 +96,46 @@ def test_no_elements_is_an_error():
     with pytest.raises(ValueError, match="no elements"):
         pagecheck_kernels.aligned_copy(mx.zeros((0, 8)))
     assert active() == before
+
+
+FULL = [(mx.float32, math.nan), (mx.float16, -2.5), (mx.bfloat16, math.nan), (mx.int8, -127), (mx.uint8, 0xFF)]
+
+
+@pytest.mark.parametrize("dtype, value", FULL, ids=[str(d) for d, _ in FULL])
+def test_full_starts_on_a_line_with_every_element(dtype, value):
+    y = pagecheck_kernels.aligned_full((5, 3, 4, 24), mx.array(value, dtype=dtype))
+    assert address(y) % LINE == 0
+    assert (y.shape, y.dtype) == ((5, 3, 4, 24), dtype)
+    assert np.array_equal(raw(y), raw(mx.full((5, 3, 4, 24), value, dtype=dtype)))
+
+
+def test_full_bad_inputs_allocate_nothing():
+    value = mx.array(1.0)
+    mx.eval(value)
+    before = active()
+    with pytest.raises(ValueError, match="no elements"):
+        pagecheck_kernels.aligned_full((4, 0, 8), value)
+    with pytest.raises(ValueError, match="one element"):
+        pagecheck_kernels.aligned_full((4, 8), mx.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="negative"):
+        pagecheck_kernels.aligned_full((4, -8), value)
+    assert active() == before
+
+
+def test_pool_is_built_without_a_second_layer():
+    """The pool's storage is all its construction holds: its pages filled in their own
+    buffers, never an mx.full of a layer copied (the peak held one layer more, and MLX's
+    buffer cache kept it)."""
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    pool = make_pool(num_pages=4096, head_dim=64)
+    layers = [pool.keys(0), pool.values(0), pool.keys(1), pool.values(1)]
+    pages = sum(x.nbytes for x in layers)
+    assert pages == 4 * 4096 * 2 * 4 * 64 * 4
+    assert mx.get_peak_memory() - before <= pages + 4 * LINE + 4096  # the fill value, a few bytes
+    assert mx.get_cache_memory() <= 4096
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])

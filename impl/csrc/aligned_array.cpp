@@ -37,6 +37,40 @@ void set_aligned_data(mx::array& out) {
   out.copy_shared_buffer(block, mx::make_contiguous_strides(out.shape()), flags, out.size(), skip_to_line(block));
 }
 
+namespace {
+
+template <class Word>
+void fill_words(void* data, size_t n, const void* bits) {
+  Word w;
+  std::memcpy(&w, bits, sizeof(Word));
+  std::fill_n(static_cast<Word*>(data), n, w);
+}
+
+}  // namespace
+
+mx::array aligned_full(const mx::Shape& shape, const mx::array& value) {
+  if (value.size() != 1) throw std::invalid_argument("aligned_full: the value must have one element");
+  size_t n = 1;
+  for (int d : shape) {
+    if (d < 0) throw std::invalid_argument("aligned_full: negative dimension");
+    n *= static_cast<size_t>(d);
+  }
+  if (n == 0) throw std::invalid_argument("aligned_full: the shape has no elements");
+  mx::array v = mx::contiguous(value, /*allow_col_major=*/false, mx::Device::cpu);
+  v.eval();
+  mx::array out(shape, v.dtype(), nullptr, {});
+  set_aligned_data(out);
+  out.set_status(mx::array::Status::available);
+  switch (v.itemsize()) {
+    case 1: fill_words<uint8_t>(out.data<void>(), n, v.data<void>()); break;
+    case 2: fill_words<uint16_t>(out.data<void>(), n, v.data<void>()); break;
+    case 4: fill_words<uint32_t>(out.data<void>(), n, v.data<void>()); break;
+    case 8: fill_words<uint64_t>(out.data<void>(), n, v.data<void>()); break;
+    default: throw std::invalid_argument("aligned_full: unsupported element size");
+  }
+  return out;
+}
+
 mx::array aligned_copy(const mx::array& a) {
   if (a.size() == 0) throw std::invalid_argument("aligned_copy: the array has no elements");
   mx::array src = mx::contiguous(a, /*allow_col_major=*/false, mx::Device::cpu);

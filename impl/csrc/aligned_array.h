@@ -26,6 +26,13 @@ constexpr size_t kLineBytes = 64;
 // boundary. Throws std::invalid_argument for an array of no elements.
 mlx::core::array aligned_copy(const mlx::core::array& a);
 
+// An array of `shape` and `value`'s dtype, every element `value` (one element), whose
+// data starts on a kLineBytes boundary: made in its own buffer, so a pool of pages never
+// holds a second copy of itself, as aligned_copy of an mx.full would (the full array,
+// then the copy). Throws std::invalid_argument for a shape of no elements or a value of
+// more than one element.
+mlx::core::array aligned_full(const mlx::core::Shape& shape, const mlx::core::array& value);
+
 // Gives `out` (row-contiguous, being evaluated: a primitive's output) a new buffer with
 // its data on a kLineBytes boundary, as aligned_copy's.
 void set_aligned_data(mlx::core::array& out);

@@ -2,6 +2,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "fma_peak.h"
 #include "aligned_array.h"
@@ -127,6 +128,12 @@ NB_MODULE(_kernels, m) {
   m.def("aligned_copy", &pagecheck::aligned_copy, "array"_a,
         "A row-contiguous copy of `array` (evaluated first) whose data starts on a 64-byte boundary "
         "(MLX's own large buffers start 24 bytes into one); ValueError for an array of no elements.");
+  m.def("aligned_full", [](const std::vector<int>& shape, const mlx::core::array& value) {
+          return pagecheck::aligned_full(mlx::core::Shape(shape.begin(), shape.end()), value);
+        }, "shape"_a, "value"_a,
+        "An array of `shape` and `value`'s dtype, every element `value` (one element), made in a buffer of "
+        "its own whose data starts on a 64-byte boundary (no full-size array copied); ValueError for a shape "
+        "of no elements or a value of more than one.");
   m.def(
       "huge_pages",
       [](mlx::core::array a) {
