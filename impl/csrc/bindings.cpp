@@ -96,6 +96,9 @@ NB_MODULE(_kernels, m) {
         "For tests: idle spells in which a worker yielded its core before its hold had passed (0 when sound).");
   m.def("decode_heads_per_item", &pagecheck::decode_heads_per_item, "chunk_items"_a, "kv_heads"_a, "item_keys"_a,
         "query_len"_a, "For tests: KV heads per work item of the decode schedule on the current worker count.");
+  m.def("decode_value_span", &pagecheck::decode_value_span, "value_row_bytes"_a, "kv_bytes"_a,
+        "For tests: keys a decode weighs in one span, for V rows of this many bytes in a call whose requests "
+        "hold kv_bytes of K and V.");
   m.def("pair_dots_apply", &pagecheck::pair_dots_apply, "rows_per_head"_a, "head_dim"_a,
         "For tests: whether a bfloat16 call with this many query rows per KV head scores them on the pair dot "
         "product now.");

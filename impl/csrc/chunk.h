@@ -243,10 +243,19 @@ void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t
 // from memory 5-10% slower than block by block (B 4 S 8192, B 16 S 1024, B 1 S 8192),
 // spans of 32 made calls from cache 5% slower than 64; 64 was within 3% of the better
 // of the two on every shape timed.
-template <class T>
-inline int value_span(int Dv) {
-  constexpr int64_t kSpanBytes = 32 << 10;
-  const int64_t keys = kSpanBytes / (static_cast<int64_t>(Dv) * static_cast<int64_t>(sizeof(T)));
+// A call whose K/V bytes are at most kCachedKvBytes (in the 32 MiB L3 the AMD machine's
+// 2 cores share, with room for the rest) weighs spans of 64 KiB (128 float32 keys, a
+// whole chunk of bfloat16): its V rows come from cache, where fewer spans load and store
+// the outputs less often. There, in turns in one process against 32 KiB spans (same
+// bits): B 1 S 1024 pages of 16 bf16 0.1038 -> 0.1016 ms, pages of 128 bf16 0.1118 ->
+// 0.1072, f32 pages of 16 0.1197 -> 0.1169 (a whole chunk: 0.1178), B 4 S 1024 bf16
+// (16 MiB) 0.406 -> 0.403; beyond it they lose: B 4 S 1024 f32 (32 MiB) 0.643 -> 0.728,
+// B 1 S 8192 bf16 1.019 -> 1.039, B 16 S 1024 bf16 (64 MiB) and B 4 S 8192 bf16 3.5-4%.
+constexpr int64_t kCachedKvBytes = int64_t{16} << 20;
+
+inline int value_span(int64_t value_row_bytes, int64_t kv_bytes) {
+  const int64_t span_bytes = kv_bytes <= kCachedKvBytes ? 64 << 10 : 32 << 10;
+  const int64_t keys = span_bytes / std::max<int64_t>(value_row_bytes, 1);
   return static_cast<int>(std::clamp<int64_t>(keys / kBlock * kBlock, kBlock, kChunk));
 }
 
@@ -271,7 +280,8 @@ template <class E>
 void weigh_in_spans(const Problem& pr, const typename E::T* vpool, const int64_t* off, int jlo, int jhi, int rows,
                     int heads, const int* clo, const int* chi, Scratch& s, float* o) {
   using T = typename E::T;
-  const int Dv = pr.Dv, per_head = rows / heads, span = value_span<T>(Dv);
+  const int Dv = pr.Dv, per_head = rows / heads;
+  const int span = value_span(static_cast<int64_t>(Dv) * static_cast<int64_t>(sizeof(T)), pr.kv_bytes);
   const T* zero_row = s.zero_row<T>();
   const T* first[kChunk];
   const T* second[kChunk];

@@ -13,6 +13,7 @@
 // attends its chunks with amx_attend_chunk instead (amx.h), as the prefill does.
 #include <algorithm>
 #include <atomic>
+#include <stdexcept>
 
 #include "amx.h"
 #include "chunk.h"
@@ -187,6 +188,12 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
 
 int decode_heads_per_item(int64_t chunk_items, int Hkv, int64_t item_keys, int L) {
   return heads_per_task(chunk_items, Hkv, item_keys, L);
+}
+
+int decode_value_span(int64_t value_row_bytes, int64_t kv_bytes) {
+  if (value_row_bytes < 1 || kv_bytes < 0)
+    throw std::invalid_argument("decode_value_span: value_row_bytes must be positive and kv_bytes not negative");
+  return value_span(value_row_bytes, kv_bytes);
 }
 
 bool pair_dots_apply(int rows_per_head, int D) { return pairs_apply<BF16>(rows_per_head, D); }

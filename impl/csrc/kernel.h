@@ -74,6 +74,7 @@ struct Problem {
   // The pools' slices are tile-packed (packed_layout.h; bfloat16 only): the tile path
   // reads its operands from them, the FMA path unpacks each chunk's rows (unpack_chunk).
   bool packed;
+  int64_t kv_bytes;  // K and V bytes the call's requests hold (value_span)
 
   int group() const { return Hq / Hkv; }
   int context(int b) const { return context_lens[b]; }

@@ -40,6 +40,10 @@ void set_pair_dots(bool on);
 // the current worker count.
 int decode_heads_per_item(int64_t chunk_items, int Hkv, int64_t item_keys, int L);
 
+// Keys of a decode's value spans (chunk.h value_span) for V rows of `value_row_bytes`
+// bytes in a call whose requests hold `kv_bytes` bytes of K and V.
+int decode_value_span(int64_t value_row_bytes, int64_t kv_bytes);
+
 // Whether a bfloat16 call whose KV heads have `rows_per_head` query rows each, of head dim
 // D, scores them on the pair dot product now (chunk.h pairs_apply).
 bool pair_dots_apply(int rows_per_head, int D);

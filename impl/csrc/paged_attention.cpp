@@ -190,6 +190,9 @@ void attend(const CallOptions& o, const std::vector<mx::array>& in, mx::array& o
   pr.k_scales = scales_of(k_scale);
   pr.v_scales = scales_of(v_scale);
   pr.packed = o.packed;
+  int64_t positions = 0;
+  for (int b = 0; b < pr.B; ++b) positions += pr.context_lens[b];
+  pr.kv_bytes = positions * pr.Hkv * (static_cast<int64_t>(pr.D) + pr.Dv) * static_cast<int64_t>(kp.itemsize());
   switch (q.dtype()) {
     case mx::float32: run_format<F32>(o.kv_code, pr, q, kp, vp, out); break;
     case mx::bfloat16: run_format<BF16>(o.kv_code, pr, q, kp, vp, out); break;
