@@ -39,6 +39,15 @@ void set_aligned_data(mx::array& out) {
 
 namespace {
 
+// An array of `shape` and `dtype` made here, not computed (no primitive), evaluated, its
+// data on a line and not yet written.
+mx::array aligned_empty(const mx::Shape& shape, mx::Dtype dtype) {
+  mx::array out(shape, dtype, nullptr, {});
+  set_aligned_data(out);
+  out.set_status(mx::array::Status::available);
+  return out;
+}
+
 template <class Word>
 void fill_words(void* data, size_t n, const void* bits) {
   Word w;
@@ -58,9 +67,7 @@ mx::array aligned_full(const mx::Shape& shape, const mx::array& value) {
   if (n == 0) throw std::invalid_argument("aligned_full: the shape has no elements");
   mx::array v = mx::contiguous(value, /*allow_col_major=*/false, mx::Device::cpu);
   v.eval();
-  mx::array out(shape, v.dtype(), nullptr, {});
-  set_aligned_data(out);
-  out.set_status(mx::array::Status::available);
+  mx::array out = aligned_empty(shape, v.dtype());
   switch (v.itemsize()) {
     case 1: fill_words<uint8_t>(out.data<void>(), n, v.data<void>()); break;
     case 2: fill_words<uint16_t>(out.data<void>(), n, v.data<void>()); break;
@@ -75,9 +82,7 @@ mx::array aligned_copy(const mx::array& a) {
   if (a.size() == 0) throw std::invalid_argument("aligned_copy: the array has no elements");
   mx::array src = mx::contiguous(a, /*allow_col_major=*/false, mx::Device::cpu);
   src.eval();
-  mx::array out(src.shape(), src.dtype(), nullptr, {});  // made here, not computed: no primitive
-  set_aligned_data(out);
-  out.set_status(mx::array::Status::available);
+  mx::array out = aligned_empty(src.shape(), src.dtype());
   std::memcpy(out.data<char>(), src.data<char>(), src.nbytes());
   return out;
 }
