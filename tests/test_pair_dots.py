@@ -11,7 +11,11 @@ Skipped where the build has no AVX512-BF16; the tile path is switched off throug
 | prefill), 64 (transposed)                                       |                                               |
 | ... and every score's last bit (512 rows whose lse show it)     | test_every_score_keeps_its_last_bit           |
 | K blocks with subnormal elements (flushed by vdpbf16ps) take    | test_subnormal_keys_take_the_fma_loop         |
-| the FMA loop, read in place or put in pair order                |                                               |
+| the FMA loop, read in place or put in pair order, whatever      |                                               |
+| their signs                                                     |                                               |
+| ... also one such row in a block of zeros (the guard's second   | test_one_tiny_key_row_late_in_a_block_is_found|
+| look, at every row)                                             |                                               |
+| exact zeros are not tiny: their blocks stay on the pair loop    | test_zero_keys_stay_on_the_pair_loop          |
 | query rows whose products underflow take the FMA loop           | test_tiny_queries_take_the_fma_loop           |
 | it applies below 64 rows a head (where blocks are transposed),  | test_applies_below_the_transposed_blocks      |
 | to bfloat16 head dims that are multiples of 32, while on        |                                               |
@@ -84,12 +88,21 @@ def pair_dots(on: bool):
 def bits_both_ways(case):
     """result_bits with the pair loop on and off, the float32 lse included: a score's last
     bit seldom reaches a bfloat16 output, but it moves its row's lse."""
+    return refusals_and_bits(case)[1:]
+
+
+def refusals_and_bits(case):
+    """(K blocks the pair loop refused while on, bits on, bits off): bits_both_ways with
+    the refusals counted (pagecheck_kernels.pair_dots_refusals, process-wide)."""
     case = case.with_(return_lse=True)
     outs = []
     for on in (True, False):
         with pair_dots(on):
+            before = pagecheck_kernels.pair_dots_refusals()
             outs.append(result_bits(case.run(impl.paged_attention)))
-    return outs
+            if on:
+                refused = pagecheck_kernels.pair_dots_refusals() - before
+    return (refused, *outs)
 
 
 def layout_case(name, seed=3, **changes):
@@ -139,18 +152,51 @@ def test_every_score_keeps_its_last_bit(scale):
 GUARDED = ["group-4-d128-pages-16", "group-4-four-rows-d128-pages-16"]  # blocks in place, blocks in pair order
 
 
+@pytest.mark.parametrize("signs", ["mixed", "negative"])
 @pytest.mark.parametrize("name", GUARDED)
-def test_subnormal_keys_take_the_fma_loop(name):
+def test_subnormal_keys_take_the_fma_loop(name, signs):
     """K elements below float32's normal range (bfloat16 subnormals): vdpbf16ps reads them
     as zero. KV head 0 holds only such keys (scores of about 2^-127, logits of about 1 at
-    this scale), KV head 1 normal ones (its blocks take the pair loop)."""
+    this scale), KV head 1 normal ones (its blocks take the pair loop). All negative: the
+    guard's first look must drop the sign bit, or every such element looks large."""
     case = layout_case(name, seed=11)
     rng = np.random.default_rng(11)
     keys = np.array(case.key_pages.astype(mx.float32))
-    keys[:, 0] = magnitudes(rng, keys[:, 0].shape, -131)
+    tiny = magnitudes(rng, keys[:, 0].shape, -131)
+    keys[:, 0] = -np.abs(tiny) if signs == "negative" else tiny
     case = with_arrays(case, keys=keys).with_(scale=2.0 ** 126)
-    on, off = bits_both_ways(case)
-    assert on == off
+    refused, on, off = refusals_and_bits(case)
+    assert on == off and refused > 0
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_one_tiny_key_row_late_in_a_block_is_found(name):
+    """KV head 0: every K element zero but one row of each page (key 13 of its 16), which
+    holds subnormals. The zeros fail the guard's first look (two ops a vector, zeros
+    counted as tiny), so it looks again at every row of the block, zeros left out, and must
+    find row 13; the block is refused and the bits stay the FMA loop's."""
+    case = layout_case(name, seed=13)
+    rng = np.random.default_rng(13)
+    keys = np.array(case.key_pages.astype(mx.float32))
+    keys[:, 0] = 0.0
+    keys[:, 0, 13] = magnitudes(rng, keys[:, 0, 13].shape, -131)
+    case = with_arrays(case, keys=keys).with_(scale=2.0 ** 126)
+    refused, on, off = refusals_and_bits(case)
+    assert on == off and refused > 0
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_zero_keys_stay_on_the_pair_loop(name):
+    """Exact zeros (+0 and -0) are not tiny: a block full of them, or of normal elements
+    beside them, is scored on the pair loop (no refusal), with the FMA loop's bits. Half
+    of KV head 0's pages are zero, the other half normal with every third element +-0."""
+    case = layout_case(name, seed=14)
+    keys = np.array(case.key_pages.astype(mx.float32))
+    keys[::2, 0] = 0.0
+    keys[1::2, 0, :, ::3] = np.where(np.arange(keys.shape[-1])[::3] % 2 == 0, 0.0, -0.0)
+    case = with_arrays(case, keys=keys)
+    refused, on, off = refusals_and_bits(case)
+    assert on == off and refused == 0
 
 
 @pytest.mark.parametrize("name", GUARDED)

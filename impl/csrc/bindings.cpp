@@ -112,6 +112,8 @@ NB_MODULE(_kernels, m) {
   m.def("pair_dots_enabled", &pagecheck::pair_dots_enabled, "Whether bfloat16 scores run on the pair dot product now.");
   m.def("set_pair_dots", &pagecheck::set_pair_dots, "on"_a,
         "Switch the pair dot product of bfloat16 scores on or off (same bits either way).");
+  m.def("pair_dots_refusals", &pagecheck::pair_dots_refusals,
+        "For tests: K blocks the pair dot product refused since load (a tiny element: scored by FMAs instead).");
   m.def(
       "output_cache_stats",
       [] {

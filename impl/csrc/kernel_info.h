@@ -34,6 +34,9 @@ bool pair_dots_enabled();
 // Switches them on or off for later calls; on throws std::invalid_argument where
 // pair_dots_supported() is false.
 void set_pair_dots(bool on);
+// K blocks the pair dot product refused since the module was loaded (a tiny element:
+// scored by the FMA loop instead), for tests.
+int64_t pair_dots_refusals();
 
 // KV heads per work item of the decode schedule (decode.cpp) for `chunk_items` (request,
 // chunk) pairs whose chunks hold `item_keys` keys each on average, L query positions, on

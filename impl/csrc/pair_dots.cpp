@@ -32,6 +32,8 @@ bool pair_dots_supported() { return kPairDotsBuilt; }
 
 bool pair_dots_enabled() { return switched_on().load(std::memory_order_relaxed); }
 
+int64_t pair_dots_refusals() { return pair_refusals().load(std::memory_order_relaxed); }
+
 void set_pair_dots(bool on) {
   if (on && !pair_dots_supported())
     throw std::invalid_argument("the pair dot product is not available here (this build has no AVX512-BF16)");
