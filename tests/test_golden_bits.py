@@ -37,6 +37,10 @@ CASES = {
                               page_size=16, dtype="bfloat16"),
     "prefill-bf16-tiles": dict(context_lens=[300, 40], query_len=40, q_heads=4, kv_heads=1, head_dim=96,
                                page_size=5, dtype="bfloat16", window=100),
+    # weights on both sides of exp2's edge (-126) within one vector of 16 keys: a scale
+    # that puts most of a row's keys below it, a few near the row's max above
+    "decode-f32-exp2-edge": dict(context_lens=[300, 17], query_len=1, q_heads=4, kv_heads=2, head_dim=64,
+                                 page_size=16, scale=30.0),
 }
 
 # Recorded with fused multiply-add (numerics.h fmadd); a build without FMA rounds
@@ -45,6 +49,7 @@ GOLDEN = {
     "decode-bf16": "d2416784dbcbd44246c7339bec1108b5",
     "decode-bf16-tiles": "10937cd266193ea3255275f605adb659",
     "decode-f32": "82a1721b7b8a311fe80418be39d4a3c6",
+    "decode-f32-exp2-edge": "545abe5105a16ca5f0c3d44ff0321d62",
     "prefill-bf16-tiles": "5297b2986a4cd77cb7e218d60ca1ed28",
     "prefill-f16": "0cc453f8ad75a7830d46a4b92c520047",
     "prefill-f32-window": "7c800faf3e2f0e14b55954ea1f20c264",
