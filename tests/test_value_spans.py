@@ -10,6 +10,11 @@ element adds its p_j v_j in ascending j either way.
 | at most a chunk); bad inputs are ValueError                             | test_span_rule_bad_inputs              |
 | a request's bits are the same alone (64 KiB spans) and in a batch over  | test_bits_do_not_depend_on_the_span    |
 | 16 MiB (32 KiB spans), float32 and bfloat16, one and four rows          |                                        |
+| the value pass asks for its next V rows except for 2-byte rows of a     | test_ask_rule                          |
+| call within 16 MiB (bfloat16/float16 from cache); bad inputs ValueError | test_ask_rule_bad_inputs               |
+
+The asks change no value either: the bits test's bfloat16 request alone runs without
+them, in its batch with them.
 """
 
 from __future__ import annotations
@@ -40,6 +45,20 @@ def test_span_rule_bad_inputs():
     for row_bytes, kv in ((0, 1), (-512, 1), (512, -1)):
         with pytest.raises(ValueError, match="value_row_bytes must be positive"):
             pagecheck_kernels.decode_value_span(row_bytes, kv)
+
+
+@pytest.mark.parametrize("element_bytes, cached", [(4, True), (2, False), (1, True)])
+def test_ask_rule(element_bytes, cached):
+    """Within the limit only 2-byte rows go without asks (measured: float32 rows and the
+    score loop's K asks lost without them); beyond it every type asks."""
+    asks = [pagecheck_kernels.decode_value_asks(element_bytes, kv) for kv in (0, 1, LIMIT, LIMIT + 1, 1 << 40)]
+    assert asks == [cached] * 3 + [True, True]
+
+
+def test_ask_rule_bad_inputs():
+    for element_bytes, kv in ((0, 1), (3, 1), (8, 1), (2, -1)):
+        with pytest.raises(ValueError, match="element_bytes must be 1, 2 or 4"):
+            pagecheck_kernels.decode_value_asks(element_bytes, kv)
 
 
 # (dtype, requests): the batch holds more than LIMIT of K/V, each request alone less

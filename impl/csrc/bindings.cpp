@@ -99,6 +99,9 @@ NB_MODULE(_kernels, m) {
   m.def("decode_value_span", &pagecheck::decode_value_span, "value_row_bytes"_a, "kv_bytes"_a,
         "For tests: keys a decode weighs in one span, for V rows of this many bytes in a call whose requests "
         "hold kv_bytes of K and V.");
+  m.def("decode_value_asks", &pagecheck::decode_value_asks, "element_bytes"_a, "kv_bytes"_a,
+        "For tests: whether a decode's value pass asks for the V rows it weighs next, for V elements of this many "
+        "bytes in a call whose requests hold kv_bytes of K and V.");
   m.def("pair_dots_apply", &pagecheck::pair_dots_apply, "rows_per_head"_a, "head_dim"_a,
         "For tests: whether a bfloat16 call with this many query rows per KV head scores them on the pair dot "
         "product now.");

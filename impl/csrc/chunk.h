@@ -259,6 +259,18 @@ inline int value_span(int64_t value_row_bytes, int64_t kv_bytes) {
   return static_cast<int>(std::clamp<int64_t>(keys / kBlock * kBlock, kBlock, kChunk));
 }
 
+// Whether a decode's value pass asks for the V rows it weighs next (ask_next): not where
+// the rows are 2-byte elements (widened in registers) and the call's K/V are at most
+// kCachedKvBytes. From cache, the asks and their tests cost more than they hide there: on
+// the AMD machine, 2 threads, builds in turns with vLLM timed in each process (same
+// bits), bf16 pages of 16 B 1 S 1024 0.0987 -> 0.0966 ms, B 4 S 128 0.0547 -> 0.0536,
+// B 16 S 128 0.2061 -> 0.2021, pages of 128 B 1 S 1024 0.1030 -> 0.0979; float32 rows
+// lost (B 4 S 128 0.0591 -> 0.0599), and so did the score loop without its asks of K
+// (B 1 S 1024 bf16 0.0966 -> 0.0998).
+inline bool value_asks(int64_t element_bytes, int64_t kv_bytes) {
+  return element_bytes != 2 || kv_bytes > kCachedKvBytes;
+}
+
 // The weighted values of one chunk for the decode schedule, its V rows read in place
 // (a half type widened in registers): span by span of the chunk's keys (value_span),
 // and within a span KV head by KV head, each group of a head's rows that see the same
@@ -282,6 +294,7 @@ void weigh_in_spans(const Problem& pr, const typename E::T* vpool, const int64_t
   using T = typename E::T;
   const int Dv = pr.Dv, per_head = rows / heads;
   const int span = value_span(static_cast<int64_t>(Dv) * static_cast<int64_t>(sizeof(T)), pr.kv_bytes);
+  const bool asks = value_asks(sizeof(T), pr.kv_bytes);
   const T* zero_row = s.zero_row<T>();
   const T* first[kChunk];
   const T* second[kChunk];
@@ -299,7 +312,7 @@ void weigh_in_spans(const Problem& pr, const typename E::T* vpool, const int64_t
         a1 = std::min(jhi, w1 + span);
       }
       if (a0 < a1) pool_rows<E>(vpool + ah * pr.value_slice(), off + (a0 - jlo), a1 - a0, zero_row, ahead);
-      const T* const* next = a0 < a1 ? ahead : nullptr;
+      const T* const* next = asks && a0 < a1 ? ahead : nullptr;
       weigh_in_groups(h * per_head, (h + 1) * per_head, w0, w1, clo, chi, jlo, s.scores.data(), o, Dv,
                       [&](const RowGroups::Group& g) {
                         // The next rows at the same place as these, where the next span has them.

@@ -196,6 +196,12 @@ int decode_value_span(int64_t value_row_bytes, int64_t kv_bytes) {
   return value_span(value_row_bytes, kv_bytes);
 }
 
+bool decode_value_asks(int64_t element_bytes, int64_t kv_bytes) {
+  if ((element_bytes != 1 && element_bytes != 2 && element_bytes != 4) || kv_bytes < 0)
+    throw std::invalid_argument("decode_value_asks: element_bytes must be 1, 2 or 4 and kv_bytes not negative");
+  return value_asks(element_bytes, kv_bytes);
+}
+
 bool pair_dots_apply(int rows_per_head, int D) { return pairs_apply<BF16>(rows_per_head, D); }
 
 #define PAGECHECK_RUN_DECODE(E, KV) \

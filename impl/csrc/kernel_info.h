@@ -47,6 +47,10 @@ int decode_heads_per_item(int64_t chunk_items, int Hkv, int64_t item_keys, int L
 // bytes in a call whose requests hold `kv_bytes` bytes of K and V.
 int decode_value_span(int64_t value_row_bytes, int64_t kv_bytes);
 
+// Whether a decode's value pass asks for the V rows it weighs next (chunk.h value_asks),
+// for V elements of `element_bytes` (1, 2 or 4) in a call whose requests hold `kv_bytes`.
+bool decode_value_asks(int64_t element_bytes, int64_t kv_bytes);
+
 // Whether a bfloat16 call whose KV heads have `rows_per_head` query rows each, of head dim
 // D, scores them on the pair dot product now (chunk.h pairs_apply).
 bool pair_dots_apply(int rows_per_head, int D);
