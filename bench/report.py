@@ -23,6 +23,7 @@ ratios), `goals`, `wall_s`. A timed case has:
 | `read_gbytes_per_s` (decode)       | the read limit's stream (bench/machine.py) timed in turns beside this case: its median rate |
 | `round_trip_median_s` (decode)     | a trivial op evaluated on the kernels' MLX stream (machine.StreamRoundTrip), timed in the same turns: the floor of any call through MLX |
 | `bandwidth_fraction` (decode)      | gbytes_per_s / read_gbytes_per_s (the same load on both)  |
+| `cached_gbytes_per_s`, `cached_case` (decode from DRAM) | its cached twin (bench/cached.py: the serving path on 8 MiB of K/V of the same dtype and page size, which stay in the cache) timed in the same turns: the rate of its loops when memory never makes them wait |
 | `limit_fraction` (decode)          | gbytes_per_s / the run's best read rate (`limits`)          |
 | `flops`, `gflops`, `flops_fraction` (prefill) | causal QK^T + PV FLOPs over the median, / measured sgemm |
 | `fma_fraction` (prefill)           | gflops / the measured FMA peak of the kernels' threads (above 1: not float32 FMAs) |
@@ -44,12 +45,13 @@ import time
 import impl
 
 from . import goals as goals_mod
-from . import grid, layers, machine, overhead, paths, timing, write
+from . import cached, grid, layers, machine, overhead, paths, timing, write
 from .readme import median_cell as _ms
 
 
 READ = "read"  # the read limit's stream, timed beside each decode (and mixed) case
 ROUND_TRIP = "stream round trip"  # machine.StreamRoundTrip, timed beside the same cases
+CACHED = "cached twin"  # cached.Twins: a decode from DRAM's loops from cache, timed beside it
 VLLM_METADATA = "vllm_cpu metadata"  # vLLM's per-step metadata build, timed beside its kernel
 ORDER_MAX_ROUNDS = 300  # per order in timing.order_check (paged vs vllm_cpu)
 
@@ -58,10 +60,13 @@ def attention_cases(level: str, log=print) -> list[dict]:
     """Times every case's paths in turns (timing.side_by_side); a decode case also times
     the read limit's stream (machine.ReadStream) in the same turns, and its rows carry
     that read's rate as `read_gbytes_per_s`: a burst of load from another job then slows
-    the decode and the reference alike instead of the decode alone."""
+    the decode and the reference alike instead of the decode alone. A decode that reads
+    at least the stream's bytes (from DRAM) also times its cached twin in those turns
+    (bench/cached.py), and its rows carry the twin's rate as `cached_gbytes_per_s`."""
     specs = grid.attention_specs(level)
-    pools, rows = paths.Pools(specs), []
     reader = machine.ReadStream(impl.num_threads()) if any(s.op in grid.BANDWIDTH_OPS for s in specs) else None
+    twins = cached.Twins(specs, reader.nbytes if reader is not None else float("inf"))
+    pools, rows = paths.Pools(specs), []
     round_trip = machine.StreamRoundTrip()
     try:
         for spec in specs:
@@ -71,6 +76,9 @@ def attention_cases(level: str, log=print) -> list[dict]:
             if spec.op in grid.BANDWIDTH_OPS:
                 runs[READ] = reader
                 runs[ROUND_TRIP] = round_trip
+            twin = twins.for_spec(spec)
+            if twin is not None:
+                runs[CACHED] = twin[1]
             if "vllm_cpu" in runs:
                 runs[VLLM_METADATA] = runs["vllm_cpu"].metadata
             times = timing.side_by_side(runs, level)
@@ -86,6 +94,9 @@ def attention_cases(level: str, log=print) -> list[dict]:
             if READ in times:
                 read["read_gbytes_per_s"] = reader.nbytes / timing.summary(times[READ])["median_s"] / 1e9
                 read["round_trip_median_s"] = timing.summary(times[ROUND_TRIP])["median_s"]
+            if CACHED in times:
+                read["cached_gbytes_per_s"] = twin[0].io_bytes() / timing.summary(times[CACHED])["median_s"] / 1e9
+                read["cached_case"] = twin[0].id
             for path in grid.PATHS:
                 row = {**spec.describe(), "path": path}
                 if skipped[path]:

@@ -111,7 +111,8 @@ def test_dram_goal_reads_the_serving_path_of_decodes_larger_than_the_read():
     K/V fits in the cache, or the lazy call where paged_now was timed, must not hide or
     stand in for a slow one; not measured without the run's read limit."""
     def case(path, batch, dtype, fraction, nbytes):
-        return {**_decode(path, batch, 8192, dtype, 1.0, fraction), "bytes": nbytes}
+        return {**_decode(path, batch, 8192, dtype, 1.0, fraction), "bytes": nbytes, "gbytes_per_s": 40.0 * fraction,
+                "read_gbytes_per_s": 40.0}
     cases = [case("paged", 16, "float32", 0.5, 10**9), case("paged_now", 16, "float32", 0.92, 10**9),
              case("paged_now", 4, "bfloat16", 0.85, 3 * 10**8), case("paged_now", 1, "float32", 0.2, 6 * 10**7),
              case("paged_now", 4, "float32", 0.95, 3 * 10**8)]
@@ -119,7 +120,9 @@ def test_dram_goal_reads_the_serving_path_of_decodes_larger_than_the_read():
                 if g["goal"] == goals.DRAM_GOAL)
     assert goal["measured"] == 0.85 and goal["met"] is False and goals.describe(goal) == ("85%", ">= 90%")
     assert goal["detail"] == ("worst B4 S8192 ps16 bfloat16; median 92% over 3 cases; "
-                              "worst per dtype: float32 92%, bfloat16 85%")
+                              "worst per dtype: float32 92%, bfloat16 85%; there paged_now read 34.0 GB/s against "
+                              "the 40.0 GB/s read stream timed beside it; its loops from cache not timed (no cached "
+                              "twin in its turns)")
     goal = next(g for g in goals.evaluate({"cases": cases[:2], "limits": {"read_bytes": 2.56e8}})
                 if g["goal"] == goals.DRAM_GOAL)
     assert goal["measured"] == 0.92 and goal["met"] is True
