@@ -102,6 +102,11 @@ NB_MODULE(_kernels, m) {
   m.def("decode_value_asks", &pagecheck::decode_value_asks, "element_bytes"_a, "kv_bytes"_a,
         "For tests: whether a decode's value pass asks for the V rows it weighs next, for V elements of this many "
         "bytes in a call whose requests hold kv_bytes of K and V.");
+  m.def("decode_keeps_states", &pagecheck::decode_keeps_states, "floats"_a,
+        "For tests: whether a decode whose requests of several chunks hold this many floats of chunk states "
+        "keeps them in the calling thread's buffers from call to call.");
+  m.def("decode_kept_state_floats", &pagecheck::decode_kept_state_floats,
+        "For tests: the calling thread's kept chunk-state buffers, in floats: [ml's, o's].");
   m.def("pair_dots_apply", &pagecheck::pair_dots_apply, "rows_per_head"_a, "head_dim"_a,
         "For tests: whether a bfloat16 call with this many query rows per KV head scores them on the pair dot "
         "product now.");

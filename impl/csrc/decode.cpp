@@ -13,6 +13,7 @@
 // attends its chunks with amx_attend_chunk instead (amx.h), as the prefill does.
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <stdexcept>
 
 #include "amx.h"
@@ -77,6 +78,35 @@ void finish_chunk_rows(const Problem& pr, const ChunkTask& task, const float* ml
   }
 }
 
+// The chunk states of a call's requests of several chunks, kept by the calling thread
+// from one call to the next (grown, never shrunk) up to kKeptStateFloats, where a call
+// needs more only in its own buffers. Allocated per call, the states of a B 16, S 32768
+// decode (32 MiB: G 4 rows x Dv 128 floats per KV head and chunk of 256 keys) came from a
+// fresh mmap every time, above glibc's largest threshold for reusing freed memory
+// (32 MiB), and their first writes faulted in 8,192 zeroed 4 KiB pages: 3.7-4 ms a call
+// here (a numpy array of 33 MiB filled one float per 4 KiB page; 8 MiB, reused: 0.01 ms),
+// against a 90 ms bf16 call. Every state is written by its task before the merge reads
+// it, so what a kept buffer held from an earlier call is never read.
+constexpr size_t kKeptStateFloats = size_t{16} << 20;  // 64 MiB of states (o and ml)
+
+struct KeptStates {
+  AlignedVector<float> ml, o;
+  static KeptStates& of_this_thread() {
+    thread_local KeptStates kept;
+    return kept;
+  }
+};
+
+inline bool keeps_states(size_t floats) { return floats <= kKeptStateFloats; }
+
+// n floats of `kept` (grown to n where it holds fewer), or of `own` where the call's
+// states (`total`: ml's and o's) are more than the thread keeps.
+float* state_floats(AlignedVector<float>& kept, size_t n, size_t total, std::optional<UnsetArray<float>>& own) {
+  if (!keeps_states(total)) return own.emplace(n).data();
+  if (kept.size() < n) AlignedVector<float>(n).swap(kept);  // zeroed once, at its first size
+  return kept.data();
+}
+
 }  // namespace
 
 template <class E, class KV>
@@ -119,7 +149,11 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
   }
   // Every state is written by its task before the merge reads it (a row that saw no
   // key: ml only, and its o is never read), so the buffers are not zeroed first.
-  UnsetArray<float> part_ml(slots * R * 2), part_o(slots * R * Dv);
+  const size_t ml_floats = static_cast<size_t>(slots) * R * 2, o_floats = static_cast<size_t>(slots) * R * Dv;
+  KeptStates& kept = KeptStates::of_this_thread();
+  std::optional<UnsetArray<float>> own_ml, own_o;
+  float* const part_ml = state_floats(kept.ml, ml_floats, ml_floats + o_floats, own_ml);
+  float* const part_o = state_floats(kept.o, o_floats, ml_floats + o_floats, own_o);
   // The tiles take bfloat16 pools; a quantized one runs the FMA path.
   const bool tiles = std::is_same_v<E, BF16> && std::is_same_v<KV, BF16> && amx_applies(pr);
 
@@ -145,8 +179,8 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
     const int64_t* voff = resolve_kv_rows(pr, task.b, task.g0, jlo, jhi, s);
     HeadRun& hr = runs[task.run];
     const bool alone = hr.chunks == 1;  // finished here, from the task's own scratch
-    float* ml = alone ? s.chunk_ml.data() : part_ml.data() + task.slot * R * 2;
-    float* o = alone ? s.chunk_o.data() : part_o.data() + task.slot * R * Dv;
+    float* ml = alone ? s.chunk_ml.data() : part_ml + task.slot * R * 2;
+    float* o = alone ? s.chunk_o.data() : part_o + task.slot * R * Dv;
     bool attended = false;
     if constexpr (std::is_same_v<E, BF16> && std::is_same_v<KV, BF16>) {
       if (tiles) {
@@ -177,7 +211,7 @@ void run_decode(const Problem& pr, const typename E::T* q, const typename KV::T*
         float* acc = s.acc_o.data();
         for (int c = 0; c < hr.chunks; ++c) {
           const int64_t slot = (hr.first_slot + h + static_cast<int64_t>(c) * Hkv) * R + r;
-          merge_state(m, l, acc, part_ml[2 * slot], part_ml[2 * slot + 1], part_o.data() + slot * Dv, Dv,
+          merge_state(m, l, acc, part_ml[2 * slot], part_ml[2 * slot + 1], part_o + slot * Dv, Dv,
                       pr.qk_scale);
         }
         finish_query_row<E>(pr, task.b, g * G + r / L, r % L, m, l, acc, out);
@@ -200,6 +234,16 @@ bool decode_value_asks(int64_t element_bytes, int64_t kv_bytes) {
   if ((element_bytes != 1 && element_bytes != 2 && element_bytes != 4) || kv_bytes < 0)
     throw std::invalid_argument("decode_value_asks: element_bytes must be 1, 2 or 4 and kv_bytes not negative");
   return value_asks(element_bytes, kv_bytes);
+}
+
+bool decode_keeps_states(int64_t floats) {
+  if (floats < 0) throw std::invalid_argument("decode_keeps_states: floats must not be negative");
+  return keeps_states(static_cast<size_t>(floats));
+}
+
+std::vector<int64_t> decode_kept_state_floats() {
+  const KeptStates& kept = KeptStates::of_this_thread();
+  return {static_cast<int64_t>(kept.ml.size()), static_cast<int64_t>(kept.o.size())};
 }
 
 bool pair_dots_apply(int rows_per_head, int D) { return pairs_apply<BF16>(rows_per_head, D); }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace pagecheck {
 
@@ -50,6 +51,13 @@ int decode_value_span(int64_t value_row_bytes, int64_t kv_bytes);
 // Whether a decode's value pass asks for the V rows it weighs next (chunk.h value_asks),
 // for V elements of `element_bytes` (1, 2 or 4) in a call whose requests hold `kv_bytes`.
 bool decode_value_asks(int64_t element_bytes, int64_t kv_bytes);
+
+// Whether a decode keeps its chunk states (`floats` of them, o's and ml's) in the calling
+// thread's buffers from call to call (decode.cpp kKeptStateFloats), rather than its own.
+bool decode_keeps_states(int64_t floats);
+
+// The calling thread's kept chunk-state buffers, in floats: {ml's, o's}.
+std::vector<int64_t> decode_kept_state_floats();
 
 // Whether a bfloat16 call whose KV heads have `rows_per_head` query rows each, of head dim
 // D, scores them on the pair dot product now (chunk.h pairs_apply).
