@@ -23,7 +23,7 @@ ratios), `goals`, `wall_s`. A timed case has:
 | `read_gbytes_per_s` (decode)       | the read limit's stream (bench/machine.py) timed in turns beside this case: its median rate |
 | `round_trip_median_s` (decode)     | a trivial op evaluated on the kernels' MLX stream (machine.StreamRoundTrip), timed in the same turns: the floor of any call through MLX |
 | `bandwidth_fraction` (decode)      | gbytes_per_s / read_gbytes_per_s (the same load on both)  |
-| `cached_gbytes_per_s`, `cached_case` (decode from DRAM) | its cached twin (bench/cached.py: the serving path on 8 MiB of K/V of the same dtype and page size, which stay in the cache) timed in the same turns: the rate of its loops when memory never makes them wait |
+| `cached_gbytes_per_s`, `cached_case` (decode from DRAM, the serving path's row) | its cached twin (bench/cached.py: the serving path on 8 MiB of K/V of the same dtype and page size, which stay in the cache) timed in the same turns: the rate of its loops when memory never makes them wait |
 | `limit_fraction` (decode)          | gbytes_per_s / the run's best read rate (`limits`)          |
 | `flops`, `gflops`, `flops_fraction` (prefill) | causal QK^T + PV FLOPs over the median, / measured sgemm |
 | `fma_fraction` (prefill)           | gflops / the measured FMA peak of the kernels' threads (above 1: not float32 FMAs) |
@@ -62,7 +62,8 @@ def attention_cases(level: str, log=print) -> list[dict]:
     that read's rate as `read_gbytes_per_s`: a burst of load from another job then slows
     the decode and the reference alike instead of the decode alone. A decode that reads
     at least the stream's bytes (from DRAM) also times its cached twin in those turns
-    (bench/cached.py), and its rows carry the twin's rate as `cached_gbytes_per_s`."""
+    (bench/cached.py), and the serving path's row carries the twin's rate as
+    `cached_gbytes_per_s`."""
     specs = grid.attention_specs(level)
     reader = machine.ReadStream(impl.num_threads()) if any(s.op in grid.BANDWIDTH_OPS for s in specs) else None
     twins = cached.Twins(specs, reader.nbytes if reader is not None else float("inf"))
@@ -94,9 +95,10 @@ def attention_cases(level: str, log=print) -> list[dict]:
             if READ in times:
                 read["read_gbytes_per_s"] = reader.nbytes / timing.summary(times[READ])["median_s"] / 1e9
                 read["round_trip_median_s"] = timing.summary(times[ROUND_TRIP])["median_s"]
+            own = {}  # the twin is the serving path's loops: on that path's row only
             if CACHED in times:
-                read["cached_gbytes_per_s"] = twin[0].io_bytes() / timing.summary(times[CACHED])["median_s"] / 1e9
-                read["cached_case"] = twin[0].id
+                own = {"cached_gbytes_per_s": twin[0].io_bytes() / timing.summary(times[CACHED])["median_s"] / 1e9,
+                       "cached_case": twin[0].id}
             for path in grid.PATHS:
                 row = {**spec.describe(), "path": path}
                 if skipped[path]:
@@ -105,6 +107,8 @@ def attention_cases(level: str, log=print) -> list[dict]:
                 row.update(timing.summary(times[path]), bytes=spec.io_bytes(path), flops=spec.flops(), **read)
                 if path == "vllm_cpu":
                     row.update(extra)
+                if own and path == cached.serving_path(spec):
+                    row.update(own)
                 rows.append(row)
                 log(f"  {spec.id:<36} {path:<13} {row['median_s'] * 1e3:10.3f} ms  ({row['rounds']} rounds)")
             del runs, times

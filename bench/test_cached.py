@@ -28,7 +28,8 @@ def test_twin_bad_inputs():
 
 def test_report_times_the_twin_beside_decodes_from_dram_only(monkeypatch):
     """A decode that reads at least the stream's bytes gets its twin's rate, timed in its
-    turns; a smaller decode, and a mixed batch of the same size, do not."""
+    turns, on its serving path's row (the twin runs that path); a smaller decode, and a
+    mixed batch of the same size, do not."""
     big, small = _spec(4, 128, 16, "float32"), _spec(1, 128, 16, "float32")
     mixed = grid.Spec("mixed", 4, 128, 16, "float32", grid.MIXED_L)
     monkeypatch.setattr(grid, "attention_specs", lambda level: [big, small, mixed])
@@ -36,8 +37,8 @@ def test_report_times_the_twin_beside_decodes_from_dram_only(monkeypatch):
     assert small.io_bytes() < 2 * 10 ** 6 <= big.io_bytes()
     rows = report.attention_cases("smoke", log=lambda _: None)
     timed = [r for r in rows if "median_s" in r]
-    with_twin = {(r["batch"], r["op"]) for r in timed if "cached_gbytes_per_s" in r}
-    assert with_twin == {(4, "decode")}
+    with_twin = {(r["batch"], r["op"], r["path"]) for r in timed if "cached_gbytes_per_s" in r}
+    assert with_twin == {(4, "decode", "paged_now")}, "the serving path's row only"
     for r in timed:
         if "cached_gbytes_per_s" in r:
             assert r["cached_gbytes_per_s"] > 0 and r["cached_case"] == "decode-B4-S256-ps16-float32"
