@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "transposed.h"
 
 #if !defined(__AVX512F__)
 int main() {

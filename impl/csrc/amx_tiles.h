@@ -1,6 +1,6 @@
 // The AMX tile instructions as the tile path (amx.cpp) uses them: fixed tile registers,
 // C[i][j] += A[i] B[j] over steps for up to 2 x 2 tiles (the 16 x 16 transpose that packs
-// key blocks is blocks.h's transpose16). Only for builds with the tile path
+// key blocks is transposed.h's transpose16). Only for builds with the tile path
 // (PAGECHECK_AMX_BUILD).
 #pragma once
 
@@ -10,7 +10,7 @@
 #define PAGECHECK_AMX_BUILD 1
 #include <immintrin.h>
 
-#include "blocks.h"  // transpose16
+#include "transposed.h"  // transpose16
 
 namespace pagecheck {
 

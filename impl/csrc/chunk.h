@@ -11,6 +11,7 @@
 #include "kernel.h"
 #include "kernel_info.h"
 #include "pair_dots.h"
+#include "transposed.h"
 
 namespace pagecheck {
 
