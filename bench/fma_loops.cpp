@@ -15,12 +15,14 @@
 //   line                                    what
 //   scores <type> <KiB> KiB <rate> GFMA/s      s[r][k] = dot(q_r, k_k), 4 rows x 16 keys a block
 //   transposed <type> <KiB> KiB <rate> GFMA/s  the same scores from blocks transposed once
-//                                              (the prefill's loop: scores16_transposed)
+//                                              (scores_transposed<4, 1>)
+//   transposed32 <type> <KiB> KiB <rate> GFMA/s  two transposed blocks at once (the
+//                                              prefill's loop: scores_transposed<4, 2>)
 //   weigh <type> <KiB> KiB <rate> GFMA/s       o_r += p_r[k] v_k, 4 rows x 16 keys a block
 //   (type: f32 or bf16, the rows' element type; KiB: of those rows; the transposed
 //   blocks are float32, twice the KiB for bf16)
-//   same bits <type> yes|no                    the transposed scores of every block equal
-//                                              scores16_rows' bit for bit
+//   same bits <type> yes|no                    the transposed scores of every block, one
+//                                              or two at once, equal scores16_rows' bits
 //
 // A rate counts 16-lane fused multiply-adds (a 4-row block of 16 keys is 512 of them in
 // each loop): a core's ceiling is pagecheck_kernels.fma_peak_gflops() / 32 per thread.
@@ -117,11 +119,42 @@ void run(const char* type, int blocks, int D, std::vector<float>& q, std::vector
       gp[r] = got[r];
     }
     scores16_rows<E>(qs, kRows, rows, D, wp);
-    scores16_transposed_rows(qs, kRows, transposed_block(rows), D, gp);
+    scores_transposed_rows(qs, kRows, transposed_block(rows), nullptr, D, gp);
     same = same && std::memcmp(want, got, sizeof want) == 0;
   }
   const double t = rate(pool, blocks, [&](const T* const* rows, const T* const*) {
-    scores16_transposed_rows(qs, kRows, transposed_block(rows), D, ss);
+    scores_transposed_rows(qs, kRows, transposed_block(rows), nullptr, D, ss);
+  });
+  // Two transposed blocks at once, as the prefill scores them (scores_transposed<4, 2>): an
+  // even block scores itself and its successor, an odd one nothing (a last even block
+  // without a successor alone).
+  std::vector<float> wide(kRows * 2 * kBlock);
+  float* ws[kRows];
+  for (int r = 0; r < kRows; ++r) ws[r] = wide.data() + r * 2 * kBlock;
+  for (int b = 0; b + 1 < blocks; b += 2) {
+    const T* rows[kBlock];
+    const T* next[kBlock];
+    rows_of(pool, b, rows);
+    rows_of(pool, b + 1, next);
+    float want[kRows][2 * kBlock], got[kRows][2 * kBlock];
+    float* wp[kRows];
+    float* gp[kRows];
+    float* wq[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      wp[r] = want[r];
+      wq[r] = want[r] + kBlock;
+      gp[r] = got[r];
+    }
+    scores16_rows<E>(qs, kRows, rows, D, wp);
+    scores16_rows<E>(qs, kRows, next, D, wq);
+    scores_transposed_rows(qs, kRows, transposed_block(rows), transposed_block(next), D, gp);
+    same = same && std::memcmp(want, got, sizeof want) == 0;
+  }
+  const double t32 = rate(pool, blocks, [&](const T* const* rows, const T* const* next) {
+    const int64_t b = (rows[0] - pool) / kD / kBlock;
+    if (b % 2 == 1) return;
+    if (b + 1 < blocks) scores_transposed_rows(qs, kRows, transposed_block(rows), transposed_block(next), D, ws);
+    else scores_transposed_rows(qs, kRows, transposed_block(rows), nullptr, D, ws);
   });
   for (auto& p : scores) p = 1e-3f;
   const double w = rate(pool, blocks, [&](const T* const* rows, const T* const* next) {
@@ -130,6 +163,7 @@ void run(const char* type, int blocks, int D, std::vector<float>& q, std::vector
   const int kib = static_cast<int>(int64_t{blocks} * kBlock * kD * static_cast<int>(sizeof(T)) / 1024);
   std::printf("scores %s %d KiB %.2f GFMA/s\n", type, kib, s);
   std::printf("transposed %s %d KiB %.2f GFMA/s\n", type, kib, t);
+  std::printf("transposed32 %s %d KiB %.2f GFMA/s\n", type, kib, t32);
   std::printf("weigh %s %d KiB %.2f GFMA/s\n", type, kib, w);
   std::printf("same bits %s %s\n", type, same ? "yes" : "no");
 }

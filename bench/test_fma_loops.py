@@ -3,7 +3,8 @@ on float32 and bfloat16 rows: built with the kernels' own flags, it reports ever
 every working set with a rate (the figures, not judged here: a shared machine), the float32
 score loop's machine code loads each K and query vector once per step, and the bfloat16
 one widens each K vector with one word permute; the prefill's score loop on transposed
-blocks gives the fold's bits with no shuffle.
+blocks gives the fold's bits with no shuffle and, two blocks at a time, broadcasts each
+query element once for both.
 
 | symptom                                                        | caught by |
 |----------------------------------------------------------------|-----------|
@@ -12,6 +13,8 @@ blocks gives the fold's bits with no shuffle.
 | bf16 rows widened by a zero-extension and a shift (two vector ops a load, not one) | test_bf16_rows_widen_with_one_permute |
 | the transposed score loop adds a key's partial sums in other pairs than the fold | test_transposed_scores_have_the_fold_bits |
 | the transposed score loop shuffles (the fold it exists to remove) | test_transposed_score_loop_has_no_shuffle |
+| the two-block transposed loop broadcasts each query element once per block, or folds its K loads into the FMAs (Zen tuning) | test_paired_transposed_loop_broadcasts_once |
+| the value loop without asks (the prefill's) reloads its key count from the stack and parks a row pointer in a vector register every key | test_value_loop_keeps_its_operands_in_registers |
 """
 
 import re
@@ -26,8 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # the loop's code is only the kernel's when it is compiled as the kernel is.
 KERNEL_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-march=native", "-mprefer-vector-width=512"]
 SCORE_LOOP = "void pagecheck::scores16_block<pagecheck::{}, 4>("  # .format(element type)
-TRANSPOSED_LOOP = "void pagecheck::scores16_transposed<4>("
-LOOPS = ("scores", "transposed", "weigh")
+TRANSPOSED_LOOP = "void pagecheck::scores_transposed<4, 1>("
+PAIRED_LOOP = "void pagecheck::scores_transposed<4, 2>("
+VALUE_LOOP = "void pagecheck::weigh_block<pagecheck::F32, 4, 4>("
+LOOPS = ("scores", "transposed", "transposed32", "weigh")
 SIZES_KIB = ("32", "512")
 # GCC 12 folds the score loop's loads into its FMAs when it tunes for Zen (as -march=native
 # does on the AMD machine) and not when it tunes for Sapphire Rapids (the Intel machine), so
@@ -63,21 +68,22 @@ def output(program):
 
 
 def test_every_loop_reports_a_rate(output):
-    rates = re.findall(r"^(scores|transposed|weigh) (f32|bf16) (\d+) KiB ([0-9.]+) GFMA/s$", output, re.M)
+    rates = re.findall(r"^(scores|transposed|transposed32|weigh) (f32|bf16) (\d+) KiB ([0-9.]+) GFMA/s$", output, re.M)
     assert [line[:3] for line in rates] == [(loop, dtype, kib) for kib in SIZES_KIB for dtype in ("f32", "bf16")
                                             for loop in LOOPS], output
     assert all(float(line[3]) > 0 for line in rates), output
 
 
 def test_transposed_scores_have_the_fold_bits(output):
-    """Every block's scores from its transposed copy equal scores16_rows' bit for bit, f32
-    and bf16 rows (the prefill's bits, and so invariant 8, rest on it)."""
+    """Every block's scores from its transposed copy, one block at a time and two, equal
+    scores16_rows' bit for bit, f32 and bf16 rows (the prefill's bits, and so invariant
+    8, rest on it)."""
     same = re.findall(r"^same bits (f32|bf16) (yes|no)$", output, re.M)
     assert same == [(dtype, "yes") for _ in SIZES_KIB for dtype in ("f32", "bf16")], output
 
 
 def test_transposed_score_loop_has_no_shuffle(program):
-    """scores16_transposed<4> is a function of its own whose multiply-adds take each K
+    """scores_transposed<4, 1> is a function of its own whose multiply-adds take each K
     vector from a register and whose fold is vertical adds: no shuffle, permute or unpack
     (the fold it replaces took about 30 a row per 16 keys)."""
     code = score_loop_code(program, loop=TRANSPOSED_LOOP)
@@ -88,6 +94,56 @@ def test_transposed_score_loop_has_no_shuffle(program):
     assert not shuffles, "shuffles in the transposed score loop:\n" + "\n".join(shuffles)
     k_from_memory = [line for line in fmas if "(%" in line and "{1to16}" not in line]
     assert not k_from_memory, "multiply-adds that load a K vector:\n" + "\n".join(k_from_memory)
+
+
+@pytest.mark.parametrize("tuning", ["native", "zen"])
+def test_paired_transposed_loop_broadcasts_once(program, folding_program, tuning):
+    """scores_transposed<4, 2>, the prefill's loop, broadcasts each query element once for
+    both blocks (8 broadcasts for 16 FMAs: 12 loads a step, not 20) and takes every
+    operand of its multiply-adds from registers, under the native tuning and under Zen's,
+    which folds the K loads into the FMAs where the register barrier is missing."""
+    code = score_loop_code(program if tuning == "native" else folding_program, loop=PAIRED_LOOP)
+    assert code, f"{PAIRED_LOOP}...) is not a function of its own in the build (inlined?)"
+    fmas = [line for line in code if re.search(r"\bvfmadd\d+ps\b", line)]
+    assert len(fmas) >= 16, "\n".join(code)
+    from_memory = [line for line in fmas if "(%" in line]
+    assert not from_memory, "multiply-adds that load their operand:\n" + "\n".join(from_memory)
+    broadcasts = [line for line in code if re.search(r"\bvbroadcastss\b", line)]
+    assert 2 * len(broadcasts) <= len(fmas), "\n".join(code)
+
+
+def loops_of(code: list[str]) -> list[list[str]]:
+    """The instructions of every loop in `code` (objdump lines of one function): from the
+    target of each backward jump to the jump."""
+    parsed = []
+    for line in code:
+        address, _, text = line.partition(":")
+        parsed.append((int(address, 16), text.strip()))
+    starts = {address: i for i, (address, _) in enumerate(parsed)}
+    loops = []
+    for i, (address, text) in enumerate(parsed):
+        jump = re.match(r"j\w+\s+([0-9a-f]+)\b", text)
+        if jump and int(jump.group(1), 16) <= address and int(jump.group(1), 16) in starts:
+            loops.append([t for _, t in parsed[starts[int(jump.group(1), 16)]:i + 1]])
+    return loops
+
+
+def test_value_loop_keeps_its_operands_in_registers(program):
+    """weigh_block<F32, 4, 4>, the value loop of every float32 call, has a loop over the
+    keys without asks (the prefill's: its V rows sit in scratch) whose 16 multiply-adds
+    need nothing from the stack and no row pointer parked in a vector register: with the
+    test of `next` inside one loop, GCC reloaded the key count from the stack and moved a
+    row pointer out of a vector register every key, and the prefill's value loop ran
+    behind its score loop (README "The f32 prefill on the Intel machine")."""
+    code = score_loop_code(program, loop=VALUE_LOOP)
+    assert code, f"{VALUE_LOOP}...) is not a function of its own in the build (inlined?)"
+    key_loops = [body for body in loops_of(code)
+                 if sum(bool(re.search(r"\bvfmadd\d+ps\b", t)) for t in body) == 16
+                 and not any("prefetch" in t for t in body)]
+    assert key_loops, "no loop of 16 multiply-adds without asks:\n" + "\n".join(code)
+    clean = [body for body in key_loops
+             if not any("(%rsp)" in t or "(%rbp)" in t or re.search(r"\bvmovq\b", t) for t in body)]
+    assert clean, "the value loop without asks spills:\n" + "\n\n".join("\n".join(b) for b in key_loops)
 
 
 def score_loop_code(exe: Path, element: str = "F32", loop: str = SCORE_LOOP) -> list[str]:

@@ -253,23 +253,34 @@ __attribute__((noinline)) void scores16_block(const float* const* q, const typen
 }
 
 // NR rows x NV output vectors (columns d0 .. d0 + 16 NV) in registers across the keys.
+// A function of its own, as GCC built it inside the kernel anyway, so that
+// bench/test_fma_loops.py can read its loops' code.
 template <class E, int NR, int NV>
-inline void weigh_block(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int d0,
+__attribute__((noinline)) void weigh_block(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int d0,
                         const typename E::T* const* next, bool fresh) {
   __m512 acc[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(o[r] + d0 + v * kLanes);
-  for (int j = 0; j < n; ++j) {
-    __m512 vj[NV];
-    for (int v = 0; v < NV; ++v) {
-      vj[v] = load16<E>(rows[j] + d0 + v * kLanes);
-      ask_next<E>(next, j, d0 + v * kLanes);
+  // One loop with the asks, one without (a prefill's value pass asks for nothing): with
+  // the test of `next` and a base address per vector inside one loop, GCC ran out of
+  // general registers (the key count reloaded from the stack and a row pointer parked in
+  // a vector register every key) and the integer ops took the FMA ports' slots.
+  const auto weigh = [&](auto asks) {
+    for (int j = 0; j < n; ++j) {
+      const typename E::T* vr = rows[j] + d0;
+      __m512 vj[NV];
+      for (int v = 0; v < NV; ++v) {
+        vj[v] = load16<E>(vr + v * kLanes);
+        if constexpr (decltype(asks)::value) ask_next<E>(next, j, d0 + v * kLanes);
+      }
+      for (int r = 0; r < NR; ++r) {
+        const __m512 pj = _mm512_set1_ps(p[r][j]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = fma16(pj, vj[v], acc[r][v]);
+      }
     }
-    for (int r = 0; r < NR; ++r) {
-      const __m512 pj = _mm512_set1_ps(p[r][j]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = fma16(pj, vj[v], acc[r][v]);
-    }
-  }
+  };
+  if (next != nullptr) weigh(std::true_type{});
+  else weigh(std::false_type{});
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o[r] + d0 + v * kLanes, acc[r][v]);
 }

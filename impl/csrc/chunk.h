@@ -16,7 +16,7 @@
 namespace pagecheck {
 
 // Rows of one KV head that see a block from which its K rows are transposed once
-// (transpose_block, scores16_transposed): the transposition costs about 770 vector ops a
+// (transpose_block, scores_transposed): the transposition costs about 770 vector ops a
 // block of D 128 (per 16 x 16: 16 loads, 64 shuffles, 16 stores), the fold it saves 45
 // a row (30 shuffles, 15 adds), so it pays from a few dozen rows and is left to the
 // prefill (64 positions x G rows a head). Prefill L = S = 2048 f32 pages of 128, 2
@@ -40,9 +40,8 @@ inline bool pairs_apply(int rows_per_head, int D) {
 // float32 scratch, then reused by every row group; float32 rows are copied there only
 // when they start mid cache line (read_in_place); bfloat16 rows on the pair dot product
 // are put in pair order once instead (pair_block). At least kTransposeRows (a prefill):
-// transposed once into scratch, widened as it goes. Widening, copying, pairing and
-// transposing are exact and every loop adds in the fold's pairs, so every way gives the
-// same bits.
+// not these, but score_transposed. Widening, copying, pairing and transposing are exact
+// and every loop adds in the fold's pairs, so every way gives the same bits.
 template <class E>
 struct BlockRows {
   using T = typename E::T;
@@ -51,23 +50,14 @@ struct BlockRows {
   const uint16_t* ordered[kBlock];  // in pair order (pair_block), where `paired`
   bool use_widened = false;
   bool paired = false;      // ordered holds the block, which passed pair_block's guard
-  const float* transposed = nullptr;  // D x 16 (transpose_block), or null
 
   // pairs: the rows of this head may be scored on the pair dot product (attend_chunk's
   // `pairs`); next: the pool rows of the block read after this one (ask_next), or null.
   void point(const T* pool, const int64_t* off, int n, int D, int rows_per_head, bool pairs, Scratch& s,
              const T* const* next) {
-    transposed = nullptr;
     paired = false;
     use_widened = false;
     pool_rows<E>(pool, off, n, s.zero_row<T>(), in_pool);
-#if defined(__AVX512F__)
-    if (rows_per_head >= kTransposeRows && D % kLanes == 0) {
-      transpose_block<E>(in_pool, D, s.block.data());
-      transposed = s.block.data();
-      return;
-    }
-#endif
     if (rows_per_head <= kRowBlock) return;  // one call of the loop: read in place
     if constexpr (std::is_same_v<E, BF16>) {
       // Put in pair order once for all row groups (pair_block). A block that fails the
@@ -85,9 +75,6 @@ struct BlockRows {
   // computes (ask_next), or null. A widened block is reused by many row groups, so its
   // loads are few and it asks for nothing.
   void scores(const float* const* q, int nr, int D, float* const* out, const T* const* next) const {
-#if defined(__AVX512F__)
-    if (transposed) return scores16_transposed_rows(q, nr, transposed, D, out);
-#endif
     if (use_widened) scores16_rows<F32>(q, nr, widened, D, out);
     else scores16_rows<E>(q, nr, in_pool, D, out, next);
   }
@@ -97,11 +84,78 @@ struct BlockRows {
   bool pair_scores(const uint16_t* const* qp, int nr, int D, float* const* out, const T* const* next) const {
     if constexpr (std::is_same_v<E, BF16>) {
       if (paired) return scores16_pairs_rows<true>(qp, nr, ordered, D, out, nullptr);
-      if (!use_widened && transposed == nullptr) return scores16_pairs_rows(qp, nr, in_pool, D, out, next);
+      if (!use_widened) return scores16_pairs_rows(qp, nr, in_pool, D, out, next);
     }
     return false;
   }
 };
+
+// Multiplies the scores of keys [jb, jb + n) of head h (ss[i]: row i's score of key jb;
+// jb counted from the chunk's first key) by K's scale where the pool is quantized (the
+// score's sign folded in: exact), by the sign where the scale is negative (exact); a
+// positive float scale leaves them as they are (times +1 would change no bit).
+template <class E>
+inline void scale_scores(const Problem& pr, const Scratch& s, int h, int jb, int n, float* const* ss, int nr) {
+  if constexpr (kQuantized<E>) {
+    const float* ks = s.key_scales.data() + h * kChunk + jb;
+    for (int i = 0; i < nr; ++i)
+      for (int k = 0; k < n; ++k) ss[i][k] *= ks[k];
+  } else if (pr.score_sign < 0.f) {
+    for (int i = 0; i < nr; ++i)
+      for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;
+  }
+}
+
+#if defined(__AVX512F__)
+// The scores of one chunk where a KV head has at least kTransposeRows rows (a prefill),
+// head by head, in pairs of 16-key blocks: each pair's K rows transposed once into
+// scratch (transpose_block, widened as they go), then scored for every row that sees a
+// key of the pair, kRowBlock rows at a time (scores_transposed: each broadcast query
+// element serves both blocks; a chunk's last single block alone). A row that sees only
+// part of a pair gets scores of the rest too, never read (its span is [clo, chi)); no
+// key outside [jlo, jhi) is read. asks_values(h): whether to ask for head h's V rows of
+// the same keys now (a float32 value pass that copies them: see attend_chunk).
+template <class E, class AsksValues>
+void score_transposed(const Problem& pr, const typename E::T* kpool, const typename E::T* vpool, AsksValues&& asks_values,
+                      const int64_t* off, const int64_t* voff, int jlo, int jhi, const float* q32, int rows,
+                      int heads, const int* clo, const int* chi, Scratch& s) {
+  using T = typename E::T;
+  const int D = pr.D, per_head = rows / heads, stride = Scratch::kScoreStride;
+  float* const kt0 = s.block.data();
+  float* const kt1 = kt0 + static_cast<int64_t>(kBlock) * D;
+  const T* krows[kBlock];
+  for (int h = 0; h < heads; ++h) {
+    const T* kh = kpool + h * pr.head_slice();
+    const T* vh = vpool + h * pr.value_slice();
+    const bool ask_values = asks_values(h);
+    for (int jb = jlo; jb < jhi; jb += 2 * kBlock) {
+      const int n = std::min(2 * kBlock, jhi - jb);
+      pool_rows<E>(kh, off + (jb - jlo), std::min(kBlock, n), s.zero_row<T>(), krows);
+      transpose_block<E>(krows, D, kt0);
+      if (n > kBlock) {
+        pool_rows<E>(kh, off + (jb + kBlock - jlo), n - kBlock, s.zero_row<T>(), krows);
+        transpose_block<E>(krows, D, kt1);
+      }
+      if (ask_values) ask_rows(vh, voff + (jb - jlo), n, pr.Dv);
+      const float* qs[kRowBlock];
+      float* ss[kRowBlock];
+      int nsel = 0;
+      const auto score_selected = [&] {
+        scores_transposed_rows(qs, nsel, kt0, n > kBlock ? kt1 : nullptr, D, ss);
+        scale_scores<E>(pr, s, h, jb - jlo, n, ss, nsel);
+        nsel = 0;
+      };
+      for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
+        if (clo[r] >= jb + n || chi[r] <= jb) continue;
+        qs[nsel] = q32 + static_cast<int64_t>(r) * D;
+        ss[nsel++] = s.scores.data() + r * stride + (jb - jlo);
+        if (nsel == kRowBlock) score_selected();
+      }
+      if (nsel > 0) score_selected();
+    }
+  }
+}
+#endif
 
 // Open groups of rows keyed by their span [a, z) within one block of keys, and by
 // whether these are the first keys the rows weigh (fresh: their outputs start from zero).
@@ -378,53 +432,52 @@ void attend_chunk(const Problem& pr, const typename E::T* kpool, const typename 
     for (int r = 0; r < rows; ++r)
       s.q_pairs_ok[r] = pair_query(q32 + static_cast<int64_t>(r) * D, D, s.q_pairs.data() + static_cast<int64_t>(r) * D);
   }
-  const T* zero_row = s.zero_row<T>();
-  for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, head_stride, zero_row,
-                      [&](int h, int jb, int n, const T* const* next) {
-    const T* kh = kpool + h * head_stride;
-    block.point(kh, off + (jb - jlo), n, D, per_head, pairs, s, next);
-    // A float32 value pass that copies the chunk's V rows after the softmax (pool rows
-    // that start mid cache line, as MLX's do) gets them from L2 instead of L3 when they
-    // are asked for now: L 2048 prefill, 2 threads, 120.4 -> 117.9 ms. Measured and left
-    // out: asking for rows read in place (2% slower) or for half-type rows (3% slower).
-    if constexpr (std::is_same_v<E, F32>) {
-      const T* head_values = vpool + h * value_stride;
-      if (values_by_group && !read_in_place<E>(head_values + voff[0], Dv)) {
-        ask_rows(head_values, voff + (jb - jlo), n, Dv);
+  // A float32 value pass that copies the chunk's V rows after the softmax (pool rows
+  // that start mid cache line, as MLX's do) gets them from L2 instead of L3 when they
+  // are asked for as their keys are scored: L 2048 prefill, 2 threads, 120.4 -> 117.9
+  // ms. Measured and left out: asking for rows read in place (2% slower) or for
+  // half-type rows (3% slower).
+  const auto asks_values = [&](int h) {
+    return std::is_same_v<E, F32> && values_by_group && !read_in_place<E>(vpool + h * value_stride + voff[0], Dv);
+  };
+#if defined(__AVX512F__)
+  if (per_head >= kTransposeRows && D % kLanes == 0) {
+    score_transposed<E>(pr, kpool, vpool, asks_values, off, voff, jlo, jhi, q32, rows, heads, clo, chi, s);
+  } else
+#endif
+  {
+    const T* zero_row = s.zero_row<T>();
+    for_blocks_ahead<E>(pr, kpool, off, jlo, jhi, heads, head_stride, zero_row,
+                        [&](int h, int jb, int n, const T* const* next) {
+      const T* kh = kpool + h * head_stride;
+      block.point(kh, off + (jb - jlo), n, D, per_head, pairs, s, next);
+      if (asks_values(h)) ask_rows(vpool + h * value_stride, voff + (jb - jlo), n, Dv);
+      // The rows of this head that see a key of this block, kRowBlock at a time.
+      const float* qs[kRowBlock];
+      const uint16_t* qp[kRowBlock];
+      float* ss[kRowBlock];
+      int nsel = 0;
+      bool paired = pairs;  // every selected row passed pair_query
+      const auto score_selected = [&] {
+        if (!(paired && block.pair_scores(qp, nsel, D, ss, next))) block.scores(qs, nsel, D, ss, next);
+        next = nullptr;  // asked for by the first rows
+        paired = pairs;
+        scale_scores<E>(pr, s, h, jb - jlo, n, ss, nsel);
+        nsel = 0;
+      };
+      for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
+        if (clo[r] >= jb + n || chi[r] <= jb) continue;
+        qs[nsel] = q32 + static_cast<int64_t>(r) * D;
+        if (pairs) {
+          qp[nsel] = s.q_pairs.data() + static_cast<int64_t>(r) * D;
+          paired = paired && s.q_pairs_ok[r];
+        }
+        ss[nsel++] = s.scores.data() + r * stride + (jb - jlo);
+        if (nsel == kRowBlock) score_selected();
       }
-    }
-    // The rows of this head that see a key of this block, kRowBlock at a time.
-    const float* qs[kRowBlock];
-    const uint16_t* qp[kRowBlock];
-    float* ss[kRowBlock];
-    int nsel = 0;
-    bool paired = pairs;  // every selected row passed pair_query
-    const auto score_selected = [&] {
-      if (!(paired && block.pair_scores(qp, nsel, D, ss, next))) block.scores(qs, nsel, D, ss, next);
-      next = nullptr;  // asked for by the first rows
-      paired = pairs;
-      if constexpr (kQuantized<E>) {  // K's scale, once per score (the sign folded in)
-        const float* ks = s.key_scales.data() + h * kChunk + (jb - jlo);
-        for (int i = 0; i < nsel; ++i)
-          for (int k = 0; k < n; ++k) ss[i][k] *= ks[k];
-      } else if (pr.score_sign < 0.f) {  // a negative scale; times +1 would change no bit
-        for (int i = 0; i < nsel; ++i)
-          for (int k = 0; k < n; ++k) ss[i][k] *= pr.score_sign;  // exact
-      }
-      nsel = 0;
-    };
-    for (int r = h * per_head; r < (h + 1) * per_head; ++r) {
-      if (clo[r] >= jb + n || chi[r] <= jb) continue;
-      qs[nsel] = q32 + static_cast<int64_t>(r) * D;
-      if (pairs) {
-        qp[nsel] = s.q_pairs.data() + static_cast<int64_t>(r) * D;
-        paired = paired && s.q_pairs_ok[r];
-      }
-      ss[nsel++] = s.scores.data() + r * stride + (jb - jlo);
-      if (nsel == kRowBlock) score_selected();
-    }
-    if (nsel > 0) score_selected();  // the last rows that see this block, fewer than kRowBlock
-  });
+      if (nsel > 0) score_selected();  // the last rows that see this block, fewer than kRowBlock
+    });
+  }
   // Softmax numerators and denominators, per row, over its visible keys only.
   for (int r = 0; r < rows; ++r) {
     if (clo[r] >= chi[r]) continue;

@@ -270,7 +270,7 @@ struct Scratch {
     chunk_o.resize(r * pr.Dv);
     acc_ml.resize(r * 2);
     acc_o.resize(r * pr.Dv);
-    block.resize(static_cast<size_t>(kBlock) * widest);
+    block.resize(static_cast<size_t>(2 * kBlock) * widest);  // two transposed K blocks (score_transposed)
     zeros.resize(widest);
     zeros16.resize(widest);
     off.resize(kChunk);

@@ -1,8 +1,8 @@
 // Prefill K blocks transposed, and their scores with scores16_block's bits (blocks.h):
 // a block's 16 K rows become D vectors of 16 keys (lane = key), so the fold's tree of a
-// key's 16 partial sums becomes vertical adds instead of shuffles. chunk.h's BlockRows
-// transposes a block once where 64 or more rows of a head score it; the tile path packs
-// its key blocks with the same 16 x 16 register transpose.
+// key's 16 partial sums becomes vertical adds instead of shuffles. chunk.h's
+// score_transposed transposes blocks once where 64 or more rows of a head score them, in
+// pairs; the tile path packs its key blocks with the same 16 x 16 register transpose.
 #pragma once
 
 #include <cstdint>
@@ -52,57 +52,90 @@ inline void transpose_block(const typename E::T* const* rows, int D, float* kt) 
   }
 }
 
-// scores16_block's bits from a transposed block (transpose_block): lane k of a vector
-// is key k, so each of the 16 partial sums of every key (lane l of scores16's
-// accumulator: d = l, l + 16, ..., one FMA each from zero) is a vector of its own, and
-// the fold's tree, (l, l + 8), then + 4, + 2, + 1, becomes vertical adds in the same
-// pairs: no shuffle at all (the fold took about 30 a row per 16 keys against 128
-// multiply-adds). The leaves go 0, 4, 2, 6, 1, 5, 3, 7 (bit-reversed), each summed with
-// its partner l + 8 as soon as both are done, so a row holds at most three partial sums
-// (hw, qw, pw) beside its two running ones: 22 vectors for 4 rows. Each K vector serves
-// every row; each query element is broadcast from memory by its FMA.
-template <int NR>
-__attribute__((noinline)) void scores16_transposed(const float* const* q, const float* kt, int D,
-                                                   float* const* s) {
-  __m512 hw[NR], qw[NR], pw[NR];
+// scores16_block's bits from NB transposed blocks (transpose_block; kt[b]: keys 16 b ..
+// 16 b + 15, s[r] gets 16 NB scores): lane k of a vector is a key, so each of the 16
+// partial sums of every key (lane l of scores16's accumulator: d = l, l + 16, ..., one
+// FMA each from zero) is a vector of its own, and the fold's tree, (l, l + 8), then + 4,
+// + 2, + 1, becomes vertical adds in the same pairs: no shuffle at all (the fold took
+// about 30 a row per 16 keys against 128 multiply-adds). The leaves go 0, 4, 2, 6, 1, 5,
+// 3, 7 (bit-reversed), each summed with its partner l + 8 as soon as both are done, so a
+// row holds at most three partial sums per block: hw in registers beside the running
+// ones, qw and pw (each read once or twice in 8 leaves) in memory.
+// Two blocks at once (the prefill's pairs, score_transposed in chunk.h): each broadcast
+// query element serves both, so a step loads 4 K vectors and 2 NR query elements for
+// 4 NR multiply-adds, against 2 + 2 NR for 2 NR with one block. On the Intel machine (two
+// 512-bit loads and two FMAs a cycle) one block at a time is bound by its loads (10 per
+// 8 FMAs): bench/fma_loops, one thread, transposed blocks from L1, 3.2-3.4 GFMA/s one at
+// a time, 4.2-4.4 two at a time (5.8 the peak); prefill L = S = 2048 f32 pages of 128, 2
+// threads, perf: the score loop's share of the call 45% -> 40% beside the value loop's
+// 32% -> 38% (as many multiply-adds). Each key's sums are the same adds in the same
+// pairs whatever NB, so the bits are the fold's.
+template <int NR, int NB>
+__attribute__((noinline)) void scores_transposed(const float* const* q, const float* const* kt, int D,
+                                                 float* const* s) {
+  // All zeroed only so that no path reads them unset in GCC's eyes (-Wmaybe-uninitialized;
+  // leaves 0, 1 and 3 write them first): a few stores a call of 16 NR NB x D / 16 FMAs.
+  __m512 hw[NR][NB];
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < NB; ++b) hw[r][b] = _mm512_setzero_ps();
+  alignas(64) float qw[NR][NB][kLanes] = {}, pw[NR][NB][kLanes] = {};
   const int steps = D / kLanes;
 #pragma GCC unroll 1
   for (int leaf = 0; leaf < 8; ++leaf) {
     const int l = ((leaf & 1) << 2) | (leaf & 2) | (leaf >> 2);  // 3-bit reversal
-    __m512 a[NR], b[NR];  // lanes l and l + 8 of every key
-    for (int r = 0; r < NR; ++r) a[r] = b[r] = _mm512_setzero_ps();
+    __m512 a[NR][NB], b[NR][NB];  // lanes l and l + 8 of every key
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < NB; ++k) a[r][k] = b[r][k] = _mm512_setzero_ps();
     for (int t = 0; t < steps; ++t) {
-      const int d = l + kLanes * t;
-      __m512 ka = _mm512_load_ps(kt + static_cast<int64_t>(d) * kBlock);
-      __m512 kb = _mm512_load_ps(kt + static_cast<int64_t>(d + 8) * kBlock);
-      in_register(ka);
-      in_register(kb);
+      const int64_t d = l + kLanes * t;
+      __m512 ka[NB], kb[NB];
+      for (int k = 0; k < NB; ++k) {
+        ka[k] = _mm512_load_ps(kt[k] + d * kBlock);
+        kb[k] = _mm512_load_ps(kt[k] + (d + 8) * kBlock);
+        in_register(ka[k]);
+        in_register(kb[k]);
+      }
       for (int r = 0; r < NR; ++r) {
-        a[r] = fma16(_mm512_set1_ps(q[r][d]), ka, a[r]);
-        b[r] = fma16(_mm512_set1_ps(q[r][d + 8]), kb, b[r]);
+        const __m512 qa = _mm512_set1_ps(q[r][d]), qb = _mm512_set1_ps(q[r][d + 8]);
+        for (int k = 0; k < NB; ++k) {
+          a[r][k] = fma16(qa, ka[k], a[r][k]);
+          b[r][k] = fma16(qb, kb[k], b[r][k]);
+        }
       }
     }
     for (int r = 0; r < NR; ++r) {
-      const __m512 h = _mm512_add_ps(a[r], b[r]);  // halves: lane l + lane l + 8
-      switch (leaf) {
-        case 0: case 2: case 4: case 6: hw[r] = h; break;           // waits for l + 4
-        case 1: case 5: qw[r] = _mm512_add_ps(hw[r], h); break;     // quarters 0, 1
-        case 3: pw[r] = _mm512_add_ps(qw[r], _mm512_add_ps(hw[r], h)); break;  // pair 0
-        default:  // pair 1, then singles: pair 0 + pair 1
-          _mm512_storeu_ps(s[r], _mm512_add_ps(pw[r], _mm512_add_ps(qw[r], _mm512_add_ps(hw[r], h))));
+      for (int k = 0; k < NB; ++k) {
+        const __m512 h = _mm512_add_ps(a[r][k], b[r][k]);  // halves: lane l + lane l + 8
+        float* const qm = qw[r][k];
+        float* const pm = pw[r][k];
+        switch (leaf) {
+          case 0: case 2: case 4: case 6: hw[r][k] = h; break;                       // waits for l + 4
+          case 1: case 5: _mm512_store_ps(qm, _mm512_add_ps(hw[r][k], h)); break;   // quarters 0, 1
+          case 3: _mm512_store_ps(pm, _mm512_add_ps(_mm512_load_ps(qm), _mm512_add_ps(hw[r][k], h))); break;  // pair 0
+          default:  // pair 1, then singles: pair 0 + pair 1
+            _mm512_storeu_ps(s[r] + kBlock * k, _mm512_add_ps(_mm512_load_ps(pm),
+                                                              _mm512_add_ps(_mm512_load_ps(qm), _mm512_add_ps(hw[r][k], h))));
+        }
       }
     }
   }
 }
 
-// scores16_transposed for nr <= kRowBlock rows.
-inline void scores16_transposed_rows(const float* const* q, int nr, const float* kt, int D, float* const* s) {
+// scores_transposed for nr <= kRowBlock rows, of one block (kt1 null) or two.
+template <int NB>
+inline void scores_transposed_rows(const float* const* q, int nr, const float* const* kt, int D, float* const* s) {
   switch (nr) {
-    case 1: scores16_transposed<1>(q, kt, D, s); return;
-    case 2: scores16_transposed<2>(q, kt, D, s); return;
-    case 3: scores16_transposed<3>(q, kt, D, s); return;
-    default: scores16_transposed<4>(q, kt, D, s); return;
+    case 1: scores_transposed<1, NB>(q, kt, D, s); return;
+    case 2: scores_transposed<2, NB>(q, kt, D, s); return;
+    case 3: scores_transposed<3, NB>(q, kt, D, s); return;
+    default: scores_transposed<4, NB>(q, kt, D, s); return;
   }
+}
+inline void scores_transposed_rows(const float* const* q, int nr, const float* kt0, const float* kt1, int D,
+                                   float* const* s) {
+  const float* const kt[2] = {kt0, kt1};
+  if (kt1 != nullptr) scores_transposed_rows<2>(q, nr, kt, D, s);
+  else scores_transposed_rows<1>(q, nr, kt, D, s);
 }
 
 }  // namespace pagecheck
