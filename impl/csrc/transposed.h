@@ -1,6 +1,6 @@
 // Prefill K blocks transposed, and their scores with scores16_block's bits (blocks.h):
 // a block's 16 K rows become D vectors of 16 keys (lane = key), so the fold's tree of a
-// key's 16 partial sums becomes vertical adds instead of shuffles. chunk.h's
+// key's 16 partial sums becomes vertical adds instead of shuffles. transposed_walk.h's
 // score_transposed transposes blocks once where 64 or more rows of a head score them, in
 // pairs; the tile path packs its key blocks with the same 16 x 16 register transpose.
 #pragma once
@@ -61,8 +61,8 @@ inline void transpose_block(const typename E::T* const* rows, int D, float* kt) 
 // 3, 7 (bit-reversed), each summed with its partner l + 8 as soon as both are done, so a
 // row holds at most three partial sums per block: hw in registers beside the running
 // ones, qw and pw (each read once or twice in 8 leaves) in memory.
-// Two blocks at once (the prefill's pairs, score_transposed in chunk.h): each broadcast
-// query element serves both, so a step loads 4 K vectors and 2 NR query elements for
+// Two blocks at once (the prefill's pairs, transposed_walk.h's score_transposed): each
+// broadcast query element serves both, so a step loads 4 K vectors and 2 NR query elements for
 // 4 NR multiply-adds, against 2 + 2 NR for 2 NR with one block. On the Intel machine (two
 // 512-bit loads and two FMAs a cycle) one block at a time is bound by its loads (10 per
 // 8 FMAs): bench/fma_loops, one thread, transposed blocks from L1, 3.2-3.4 GFMA/s one at
