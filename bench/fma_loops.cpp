@@ -18,7 +18,10 @@
 //                                              (scores_transposed<4, 1>)
 //   transposed32 <type> <KiB> KiB <rate> GFMA/s  two transposed blocks at once (the
 //                                              prefill's loop: scores_transposed<4, 2>)
-//   weigh <type> <KiB> KiB <rate> GFMA/s       o_r += p_r[k] v_k, 4 rows x 16 keys a block
+//   weigh <type> <KiB> KiB <rate> GFMA/s       o_r += p_r[k] v_k, 4 rows x 16 keys a block,
+//                                              asking for the next block (a decode's loop)
+//   weigh_scratch <type> <KiB> KiB <rate> GFMA/s  the same without asks (a prefill's loop:
+//                                              its V rows sit in scratch)
 //   (type: f32 or bf16, the rows' element type; KiB: of those rows; the transposed
 //   blocks are float32, twice the KiB for bf16)
 //   same bits <type> yes|no                    the transposed scores of every block, one
@@ -160,11 +163,15 @@ void run(const char* type, int blocks, int D, std::vector<float>& q, std::vector
   const double w = rate(pool, blocks, [&](const T* const* rows, const T* const* next) {
     weigh_rows<E>(rows, ps, kRows, kBlock, os, D, next);
   });
+  const double w0 = rate(pool, blocks, [&](const T* const* rows, const T* const*) {
+    weigh_rows<E>(rows, ps, kRows, kBlock, os, D, nullptr);
+  });
   const int kib = static_cast<int>(int64_t{blocks} * kBlock * kD * static_cast<int>(sizeof(T)) / 1024);
   std::printf("scores %s %d KiB %.2f GFMA/s\n", type, kib, s);
   std::printf("transposed %s %d KiB %.2f GFMA/s\n", type, kib, t);
   std::printf("transposed32 %s %d KiB %.2f GFMA/s\n", type, kib, t32);
   std::printf("weigh %s %d KiB %.2f GFMA/s\n", type, kib, w);
+  std::printf("weigh_scratch %s %d KiB %.2f GFMA/s\n", type, kib, w0);
   std::printf("same bits %s %s\n", type, same ? "yes" : "no");
 }
 

@@ -76,6 +76,23 @@ def set_pair_dots(on: bool) -> None:
     _kernels.set_pair_dots(on)
 
 
+def transposed_pairs_enabled() -> bool:
+    """Whether a prefill scores its transposed K blocks two at a time now: on where one
+    block at a time is bound by its loads (CPUs other than AMD's), unless
+    `$PAGECHECK_TRANSPOSED_PAIRS` (0 or 1) said otherwise when the kernels loaded; False in
+    a build without AVX-512 (impl/csrc/transposed.h)."""
+    return _kernels.transposed_pairs_enabled()
+
+
+def set_transposed_pairs(on: bool) -> None:
+    """Switch a prefill's transposed K blocks in pairs on or off for later calls. A choice
+    of speed only: the bits are the same either way. On raises ValueError in a build
+    without AVX-512."""
+    if not isinstance(on, bool):
+        raise ValueError(f"set_transposed_pairs takes True or False, got {on!r}")
+    _kernels.set_transposed_pairs(on)
+
+
 def output_cache_stats() -> dict:
     """The kept buffer of large outputs (impl/csrc/output_cache.h): `reused`, outputs of
     32-512 MiB given the buffer a dead output of the same size left; `fresh`, those given

@@ -29,9 +29,6 @@ The two guard tests use a scale near float32's largest, so that scores of 2^-130
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,12 +40,12 @@ import pytest
 import impl
 from fixtures import paged_case
 from tests.bitwise import result_bits
+from tests.speed_switches import amd_cpu, enabled_in_a_fresh_process
 from tests.tile_path import tile_path
 
 pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in kernel's bfloat16 score loop")]
 
 NO_PAIRS = "this build has no AVX512-BF16 (impl/csrc/pair_dots.h)"
-ROOT = Path(__file__).resolve().parents[1]
 
 # (context_lens, query_len, q_heads, kv_heads, head_dim, page_size, window): rows per KV
 # head 1-4 (the loop's NR), 16 (blocks put in pair order once for four row groups: a
@@ -228,22 +225,13 @@ def test_applies_below_the_transposed_blocks():
 
 
 def _enabled_in_a_fresh_process(value):
-    env = {k: v for k, v in os.environ.items() if k != "PAGECHECK_PAIR_DOTS"}
-    if value is not None:
-        env["PAGECHECK_PAIR_DOTS"] = value
-    code = "import mlx.core, pagecheck_kernels as k; print(k.pair_dots_enabled())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-    return out.stdout.strip() == "True"
-
-
-def _amd_cpu() -> bool:
-    return "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    return enabled_in_a_fresh_process("pair_dots_enabled", "PAGECHECK_PAIR_DOTS", value)
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo to tell the CPU's vendor")
 def test_default_follows_the_cpu_and_the_variable():
     supported = impl.runtime.pair_dots_supported()
-    assert _enabled_in_a_fresh_process(None) == (supported and _amd_cpu())
+    assert _enabled_in_a_fresh_process(None) == (supported and amd_cpu())
     assert _enabled_in_a_fresh_process("0") is False
     assert _enabled_in_a_fresh_process("1") == supported
 

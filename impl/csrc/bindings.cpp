@@ -120,6 +120,13 @@ NB_MODULE(_kernels, m) {
   m.def("pair_dots_enabled", &pagecheck::pair_dots_enabled, "Whether bfloat16 scores run on the pair dot product now.");
   m.def("set_pair_dots", &pagecheck::set_pair_dots, "on"_a,
         "Switch the pair dot product of bfloat16 scores on or off (same bits either way).");
+  m.def("transposed_pairs_enabled", &pagecheck::transposed_pairs_enabled,
+        "Whether a prefill scores its transposed K blocks two at a time now.");
+  m.def("set_transposed_pairs", &pagecheck::set_transposed_pairs, "on"_a,
+        "Switch a prefill's transposed K blocks in pairs on or off (same bits either way; on raises ValueError "
+        "in a build without AVX-512).");
+  m.def("transposed_pairs_scored", &pagecheck::transposed_pairs_scored,
+        "For tests: pairs of K blocks prefills scored together since load.");
   m.def("pair_dots_refusals", &pagecheck::pair_dots_refusals,
         "For tests: K blocks the pair dot product refused since load (a tiny element: scored by FMAs instead).");
   m.def(

@@ -252,37 +252,47 @@ __attribute__((noinline)) void scores16_block(const float* const* q, const typen
   fold.store(s);
 }
 
-// NR rows x NV output vectors (columns d0 .. d0 + 16 NV) in registers across the keys.
-// A function of its own, as GCC built it inside the kernel anyway, so that
-// bench/test_fma_loops.py can read its loops' code.
-template <class E, int NR, int NV>
-__attribute__((noinline)) void weigh_block(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int d0,
-                        const typename E::T* const* next, bool fresh) {
+// NR rows x NV output vectors (columns d0 .. d0 + 16 NV) in registers across the keys,
+// asking for the V rows of `next` as it goes (Asks) or not (a prefill's value pass: its
+// rows sit in scratch). Two functions, not one loop with a test of `next`: with the test
+// and a base address per vector inside one loop GCC ran out of general registers (the
+// key count reloaded from the stack and a row pointer parked in a vector register every
+// key, integer ops in the FMA ports' slots), and two loops of one function were merged
+// back into one under Zen's tuning. Out of line, so bench/test_fma_loops.py can read
+// them. The loops over the accumulators are unrolled by order: left to GCC they were not,
+// so the 16 accumulators went through the stack on the way in and out (16 stores and 16
+// loads a call of 256 multiply-adds). f32, bench/fma_loops, one thread, AMD: without
+// asks 2.0-2.5 -> 2.6-3.1 GFMA/s, with asks 2.2-2.3 -> 2.4-2.8.
+template <class E, int NR, int NV, bool Asks>
+__attribute__((noinline)) void weigh_keys(const typename E::T* const* rows, const float* const* p, int n,
+                                          float* const* o, int d0, const typename E::T* const* next, bool fresh) {
   __m512 acc[NR][NV];
+#pragma GCC unroll 4
   for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(o[r] + d0 + v * kLanes);
-  // One loop with the asks, one without (a prefill's value pass asks for nothing): with
-  // the test of `next` and a base address per vector inside one loop, GCC ran out of
-  // general registers (the key count reloaded from the stack and a row pointer parked in
-  // a vector register every key) and the integer ops took the FMA ports' slots.
-  const auto weigh = [&](auto asks) {
-    for (int j = 0; j < n; ++j) {
-      const typename E::T* vr = rows[j] + d0;
-      __m512 vj[NV];
-      for (int v = 0; v < NV; ++v) {
-        vj[v] = load16<E>(vr + v * kLanes);
-        if constexpr (decltype(asks)::value) ask_next<E>(next, j, d0 + v * kLanes);
-      }
-      for (int r = 0; r < NR; ++r) {
-        const __m512 pj = _mm512_set1_ps(p[r][j]);
-        for (int v = 0; v < NV; ++v) acc[r][v] = fma16(pj, vj[v], acc[r][v]);
-      }
+  for (int j = 0; j < n; ++j) {
+    const typename E::T* vr = rows[j] + d0;
+    __m512 vj[NV];
+    for (int v = 0; v < NV; ++v) {
+      vj[v] = load16<E>(vr + v * kLanes);
+      if constexpr (Asks) ask_next<E>(next, j, d0 + v * kLanes);
     }
-  };
-  if (next != nullptr) weigh(std::true_type{});
-  else weigh(std::false_type{});
+    for (int r = 0; r < NR; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r][j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = fma16(pj, vj[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 4
   for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o[r] + d0 + v * kLanes, acc[r][v]);
+}
+template <class E, int NR, int NV>
+inline void weigh_block(const typename E::T* const* rows, const float* const* p, int n, float* const* o, int d0,
+                        const typename E::T* const* next, bool fresh) {
+  if (next != nullptr) weigh_keys<E, NR, NV, true>(rows, p, n, o, d0, next, fresh);
+  else weigh_keys<E, NR, NV, false>(rows, p, n, o, d0, next, fresh);
 }
 
 template <class E, int NR>

@@ -39,6 +39,19 @@ void set_pair_dots(bool on);
 // scored by the FMA loop instead), for tests.
 int64_t pair_dots_refusals();
 
+// Whether a prefill scores its transposed K blocks two at a time (transposed.h
+// scores_transposed, transposed_walk.h): $PAGECHECK_TRANSPOSED_PAIRS (0 or 1) at load
+// time, else on where it pays (CPUs other than AMD's: transposed.h); false in a build
+// without AVX-512, which has no transposed walk.
+bool transposed_pairs_enabled();
+// Switches the pairs on or off for later calls (the same bits either way); on throws
+// std::invalid_argument in a build without AVX-512.
+void set_transposed_pairs(bool on);
+// For tests: pairs of K blocks prefills scored together since the module was loaded (per
+// head and row selection, as counted by count_transposed_pairs).
+int64_t transposed_pairs_scored();
+void count_transposed_pairs(int64_t pairs);
+
 // KV heads per work item of the decode schedule (decode.cpp) for `chunk_items` (request,
 // chunk) pairs whose chunks hold `item_keys` keys each on average, L query positions, on
 // the current worker count.

@@ -60,16 +60,22 @@ inline void transpose_block(const typename E::T* const* rows, int D, float* kt) 
 // about 30 a row per 16 keys against 128 multiply-adds). The leaves go 0, 4, 2, 6, 1, 5,
 // 3, 7 (bit-reversed), each summed with its partner l + 8 as soon as both are done, so a
 // row holds at most three partial sums per block: hw in registers beside the running
-// ones, qw and pw (each read once or twice in 8 leaves) in memory.
-// Two blocks at once (the prefill's pairs, transposed_walk.h's score_transposed): each
-// broadcast query element serves both, so a step loads 4 K vectors and 2 NR query elements for
-// 4 NR multiply-adds, against 2 + 2 NR for 2 NR with one block. On the Intel machine (two
-// 512-bit loads and two FMAs a cycle) one block at a time is bound by its loads (10 per
-// 8 FMAs): bench/fma_loops, one thread, transposed blocks from L1, 3.2-3.4 GFMA/s one at
-// a time, 4.2-4.4 two at a time (5.8 the peak); prefill L = S = 2048 f32 pages of 128, 2
-// threads, perf: the score loop's share of the call 45% -> 40% beside the value loop's
-// 32% -> 38% (as many multiply-adds). Each key's sums are the same adds in the same
-// pairs whatever NB, so the bits are the fold's.
+// ones, qw and pw (each read once or twice in 8 leaves) in memory, which GCC keeps in
+// registers for one block (NR 4: 12 beside 8 accumulators and 2 K vectors) and not for
+// two (24 more would not fit in 32 beside 16 accumulators and 4 K vectors).
+// Two blocks at once (the prefill's pairs where transposed_pairs_enabled(), transposed_walk.h's
+// score_transposed): each broadcast query element serves both, so a step loads 4 K
+// vectors and 2 NR query elements for 4 NR multiply-adds, against 2 + 2 NR for 2 NR with
+// one block. On the Intel machine (two 512-bit loads and two FMAs a cycle) one block at a
+// time is bound by its loads (10 per 8 FMAs): bench/fma_loops, one thread, transposed
+// blocks from L1, 3.2-3.4 GFMA/s one at a time, 4.2-4.4 two at a time (5.8 the peak);
+// prefill L = S = 2048 f32 pages of 128, 2 threads, perf: the score loop's share of the
+// call 45% -> 40% beside the value loop's 32% -> 38% (as many multiply-adds). On the AMD
+// machine (one 512-bit FMA a cycle, as two halves) the FMAs bound both, and the pairs'
+// pending sums in memory cost more than the broadcasts they save: one block 3.4-3.6, two
+// 2.9-3.3 GFMA/s (prefill L = S = 2048 f32, 2 threads, in turns with vLLM's op: pages of
+// 128 5-8% faster one block at a time, transposed_pairs.cpp). Each key's sums are the same adds in the same pairs whatever NB, so the
+// bits are the fold's.
 template <int NR, int NB>
 __attribute__((noinline)) void scores_transposed(const float* const* q, const float* const* kt, int D,
                                                  float* const* s) {
@@ -103,6 +109,9 @@ __attribute__((noinline)) void scores_transposed(const float* const* q, const fl
         }
       }
     }
+    // Unrolled by order: left to GCC, one block's rows were not, so a and b went through
+    // the stack every leaf (AMD, bench/fma_loops, one thread: 2.6 -> 3.4-3.6 GFMA/s).
+#pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       for (int k = 0; k < NB; ++k) {
         const __m512 h = _mm512_add_ps(a[r][k], b[r][k]);  // halves: lane l + lane l + 8

@@ -1,13 +1,15 @@
-// A prefill's scores: the walk of a chunk's K in pairs of transposed 16-key blocks
-// (score_transposed, for heads of kTransposeRows rows or more), and the scaling every
-// score walk applies after its loop (scale_scores: quantized K's scale, a negative
-// scale's sign). chunk.h's attend_chunk calls them; the loops are transposed.h's.
+// A prefill's scores: the walk of a chunk's K in transposed 16-key blocks, two at a time
+// or one (score_transposed, for heads of kTransposeRows rows or more; the switch is in
+// transposed_pairs.cpp), and the scaling every score walk applies after its loop
+// (scale_scores: quantized K's scale, a negative scale's sign). chunk.h's attend_chunk
+// calls them; the loops are transposed.h's.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
 #include "kernel.h"
+#include "kernel_info.h"
 #include "transposed.h"
 
 namespace pagecheck {
@@ -38,9 +40,10 @@ inline void scale_scores(const Problem& pr, const Scratch& s, int h, int jb, int
 
 #if defined(__AVX512F__)
 // The scores of one chunk where a KV head has at least kTransposeRows rows (a prefill),
-// head by head, in pairs of 16-key blocks: each pair's K rows transposed once into
-// scratch (transpose_block, widened as they go), then scored for every row that sees a
-// key of the pair, kRowBlock rows at a time (scores_transposed: each broadcast query
+// head by head, in pairs of 16-key blocks where transposed_pairs_enabled() (else one
+// block at a time: transposed.h says where each pays): each pair's K rows transposed once
+// into scratch (transpose_block, widened as they go), then scored for every row that sees
+// a key of the pair, kRowBlock rows at a time (scores_transposed: each broadcast query
 // element serves both blocks; a chunk's last single block alone). A row that sees only
 // part of a pair gets scores of the rest too, never read (its span is [clo, chi)); no
 // key outside [jlo, jhi) is read. asks_values(h): whether to ask for head h's V rows of
@@ -54,12 +57,14 @@ void score_transposed(const Problem& pr, const typename E::T* kpool, const typen
   float* const kt0 = s.block.data();
   float* const kt1 = kt0 + static_cast<int64_t>(kBlock) * D;
   const T* krows[kBlock];
+  const int span = transposed_pairs_enabled() ? 2 * kBlock : kBlock;  // keys scored a call
+  int64_t pairs = 0;
   for (int h = 0; h < heads; ++h) {
     const T* kh = kpool + h * pr.head_slice();
     const T* vh = vpool + h * pr.value_slice();
     const bool ask_values = asks_values(h);
-    for (int jb = jlo; jb < jhi; jb += 2 * kBlock) {
-      const int n = std::min(2 * kBlock, jhi - jb);
+    for (int jb = jlo; jb < jhi; jb += span) {
+      const int n = std::min(span, jhi - jb);
       pool_rows<E>(kh, off + (jb - jlo), std::min(kBlock, n), s.zero_row<T>(), krows);
       transpose_block<E>(krows, D, kt0);
       if (n > kBlock) {
@@ -70,6 +75,7 @@ void score_transposed(const Problem& pr, const typename E::T* kpool, const typen
       const float* qs[kRowBlock];
       float* ss[kRowBlock];
       int nsel = 0;
+      pairs += n > kBlock;
       const auto score_selected = [&] {
         scores_transposed_rows(qs, nsel, kt0, n > kBlock ? kt1 : nullptr, D, ss);
         scale_scores<E>(pr, s, h, jb - jlo, n, ss, nsel);
@@ -84,6 +90,7 @@ void score_transposed(const Problem& pr, const typename E::T* kpool, const typen
       if (nsel > 0) score_selected();
     }
   }
+  if (pairs > 0) count_transposed_pairs(pairs);  // one atomic add a chunk, for tests
 }
 #endif
 
