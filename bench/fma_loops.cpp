@@ -20,7 +20,10 @@
 //                                              prefill's loop: scores_transposed<4, 2>)
 //   weigh <type> <KiB> KiB <rate> GFMA/s       o_r += p_r[k] v_k, 4 rows x 16 keys a block,
 //                                              asking for the next block (a decode's loop)
-//   weigh_scratch <type> <KiB> KiB <rate> GFMA/s  the same without asks (a prefill's loop:
+//   weigh_scratch <type> <KiB> KiB <rate> GFMA/s  the same without asks (a decode's
+//                                              rows without asks; a prefill's partial groups)
+//   weigh6_scratch <type> <KiB> KiB <rate> GFMA/s  6 rows x 16 keys a block without asks
+//                                              (a prefill's value loop, kWeighRows rows:
 //                                              its V rows sit in scratch)
 //   (type: f32 or bf16, the rows' element type; KiB: of those rows; the transposed
 //   blocks are float32, twice the KiB for bf16)
@@ -28,7 +31,7 @@
 //                                              or two at once, equal scores16_rows' bits
 //
 // A rate counts 16-lane fused multiply-adds (a 4-row block of 16 keys is 512 of them in
-// each loop): a core's ceiling is pagecheck_kernels.fma_peak_gflops() / 32 per thread.
+// each loop, a 6-row one 768): a core's ceiling is pagecheck_kernels.fma_peak_gflops() / 32 per thread.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -50,6 +53,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr int kD = 128, kRows = 4;
+constexpr int kFmasPerRow = kBlock * kD / kLanes;  // 16-lane multiply-adds a row of a block, each loop
 constexpr double kSeconds = 0.25;  // per measurement
 
 // Block b's 16 rows of `pool`.
@@ -59,10 +63,10 @@ void rows_of(const T* pool, int b, const T** rows) {
 }
 
 // Runs `loop(rows, next)` on every block of `blocks` in `pool` (its 16 rows, and the
-// next block's, which the loop asks for) until kSeconds have passed; returns GFMA/s (512
-// FMAs a block).
+// next block's, which the loop asks for) until kSeconds have passed; returns GFMA/s
+// (`fmas` a block: kFmasPerRow a row, 16 keys x D / 16 lanes).
 template <class T, class Loop>
-double rate(const T* pool, int blocks, Loop&& loop) {
+double rate(const T* pool, int blocks, Loop&& loop, int fmas = kFmasPerRow * kRows) {
   int64_t done = 0;
   const auto t0 = Clock::now();
   double t = 0;
@@ -77,7 +81,7 @@ double rate(const T* pool, int blocks, Loop&& loop) {
     done += blocks;
     t = std::chrono::duration<double>(Clock::now() - t0).count();
   }
-  return done * 512.0 / t / 1e9;
+  return done * static_cast<double>(fmas) / t / 1e9;
 }
 
 // Both loops on `blocks` blocks of E rows, starting 24 bytes past a line boundary as in
@@ -92,13 +96,15 @@ void run(const char* type, int blocks, int D, std::vector<float>& q, std::vector
   const T* pool = reinterpret_cast<const T*>(base);
   const float* qs[kRows];
   float* ss[kRows];
-  float* os[kRows];
-  const float* ps[kRows];
+  float* os[kWeighRows];
+  const float* ps[kWeighRows];
+  for (int r = 0; r < kWeighRows; ++r) {
+    os[r] = out.data() + r * kD;
+    ps[r] = scores.data() + r * kBlock;
+  }
   for (int r = 0; r < kRows; ++r) {
     qs[r] = q.data() + r * kD;
     ss[r] = scores.data() + r * kBlock;
-    os[r] = out.data() + r * kD;
-    ps[r] = scores.data() + r * kBlock;
   }
   const double s = rate(pool, blocks, [&](const T* const* rows, const T* const* next) {
     scores16_rows<E>(qs, kRows, rows, D, ss, next);
@@ -166,12 +172,16 @@ void run(const char* type, int blocks, int D, std::vector<float>& q, std::vector
   const double w0 = rate(pool, blocks, [&](const T* const* rows, const T* const*) {
     weigh_rows<E>(rows, ps, kRows, kBlock, os, D, nullptr);
   });
+  const double w6 = rate(pool, blocks, [&](const T* const* rows, const T* const*) {
+    weigh_rows<E>(rows, ps, kWeighRows, kBlock, os, D, nullptr);
+  }, kFmasPerRow * kWeighRows);
   const int kib = static_cast<int>(int64_t{blocks} * kBlock * kD * static_cast<int>(sizeof(T)) / 1024);
   std::printf("scores %s %d KiB %.2f GFMA/s\n", type, kib, s);
   std::printf("transposed %s %d KiB %.2f GFMA/s\n", type, kib, t);
   std::printf("transposed32 %s %d KiB %.2f GFMA/s\n", type, kib, t32);
   std::printf("weigh %s %d KiB %.2f GFMA/s\n", type, kib, w);
   std::printf("weigh_scratch %s %d KiB %.2f GFMA/s\n", type, kib, w0);
+  std::printf("weigh6_scratch %s %d KiB %.2f GFMA/s\n", type, kib, w6);
   std::printf("same bits %s %s\n", type, same ? "yes" : "no");
 }
 
@@ -185,7 +195,7 @@ int main(int argc, char** argv) {
   // compiler specialize the loops into code the kernel does not run.
   volatile int head_dim = kD;
   const int D = head_dim;
-  std::vector<float> q(kRows * kD), scores(kRows * kBlock), out(kRows * kD, 0.f);
+  std::vector<float> q(kRows * kD), scores(kWeighRows * kBlock), out(kWeighRows * kD, 0.f);
   // Query elements of both signs and many magnitudes, so that adding in other pairs
   // than the fold's would show in the "same bits" line.
   for (int i = 0; i < kRows * kD; ++i) q[i] = 0.01f * static_cast<float>((i * 37) % 23 - 11) * (1.f + 0.1f * (i % 7));

@@ -32,9 +32,11 @@ KERNEL_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-march=native", 
 SCORE_LOOP = "void pagecheck::scores16_block<pagecheck::{}, 4>("  # .format(element type)
 TRANSPOSED_LOOP = "void pagecheck::scores_transposed<4, 1>("
 PAIRED_LOOP = "void pagecheck::scores_transposed<4, 2>("
-VALUE_LOOP = "void pagecheck::weigh_keys<pagecheck::F32, 4, 4, false>("  # a prefill's
+# The value loop without asks for `rows` query rows: a prefill's groups of kWeighRows = 6
+# rows that see the same keys, and of 4 (a position's GQA group where spans differ)
+VALUE_LOOPS = {rows: f"void pagecheck::weigh_keys<pagecheck::F32, {rows}, 4, false>(" for rows in (4, 6)}
 ASKING_VALUE_LOOP = "void pagecheck::weigh_keys<pagecheck::F32, 4, 4, true>("  # a decode's
-LOOPS = ("scores", "transposed", "transposed32", "weigh", "weigh_scratch")
+LOOPS = ("scores", "transposed", "transposed32", "weigh", "weigh_scratch", "weigh6_scratch")
 SIZES_KIB = ("32", "512")
 # GCC 12 folds the score loop's loads into its FMAs when it tunes for Zen (as -march=native
 # does on the AMD machine) and not when it tunes for Sapphire Rapids (the Intel machine), so
@@ -70,7 +72,7 @@ def output(program):
 
 
 def test_every_loop_reports_a_rate(output):
-    rates = re.findall(r"^(scores|transposed|transposed32|weigh|weigh_scratch) (f32|bf16) (\d+) KiB ([0-9.]+) GFMA/s$", output, re.M)
+    rates = re.findall(r"^(scores|transposed|transposed32|weigh|weigh_scratch|weigh6_scratch) (f32|bf16) (\d+) KiB ([0-9.]+) GFMA/s$", output, re.M)
     assert [line[:3] for line in rates] == [(loop, dtype, kib) for kib in SIZES_KIB for dtype in ("f32", "bf16")
                                             for loop in LOOPS], output
     assert all(float(line[3]) > 0 for line in rates), output
@@ -141,27 +143,31 @@ def loops_of(code: list[str]) -> list[list[str]]:
     return loops
 
 
+@pytest.mark.parametrize("rows", sorted(VALUE_LOOPS))
 @pytest.mark.parametrize("tuning", ["native", "zen"])
-def test_value_loop_keeps_its_operands_in_registers(program, folding_program, tuning):
-    """weigh_keys<F32, 4, 4, false>, the prefill's value loop (its V rows sit in scratch),
-    asks for nothing, and every loop over the keys of 16 multiply-adds in it needs nothing
-    from the stack and no row pointer parked in a vector register, under the native tuning
+def test_value_loop_keeps_its_operands_in_registers(program, folding_program, tuning, rows):
+    """weigh_keys<F32, rows, 4, false>, the prefill's value loop (its V rows sit in scratch;
+    6 rows where they see the same keys, 24 accumulators, 4 V vectors and a broadcast in
+    29 of the 32 registers), asks for nothing, and every loop over the keys of 4 x rows
+    multiply-adds in it needs nothing from the stack and no row pointer parked in a vector register, under the native tuning
     and Zen's; its twin with asks (a decode's) asks. With the test of `next` inside one
     loop, GCC reloaded the key count from the stack and moved a row pointer out of a vector
     register every key, and the prefill's value loop ran behind its score loop (README "The
     f32 prefill on the Intel machine"); two loops in one function were merged back into
-    that one under Zen's tuning. Its 16 accumulators stay in registers from the first
+    that one under Zen's tuning. Its accumulators stay in registers from the first
     load to the last store: with its loops over them not unrolled, GCC set them up and
     stored them through the stack (16 stores and 16 loads a call of 256 multiply-adds;
     AMD, one thread: 2.0-2.5 against 2.6-3.1 GFMA/s)."""
     exe = program if tuning == "native" else folding_program
-    code = score_loop_code(exe, loop=VALUE_LOOP)
-    assert code, f"{VALUE_LOOP}...) is not a function of its own in the build (inlined?)"
+    loop = VALUE_LOOPS[rows]
+    code = score_loop_code(exe, loop=loop)
+    assert code, f"{loop}...) is not a function of its own in the build (inlined?)"
     assert not any("prefetch" in t for t in code), "the value loop without asks asks:\n" + "\n".join(code)
-    # The loop over the keys: the shortest with 16 multiply-adds (a backward jump that
-    # joins two paths of the function also spans one, with whatever lies around it).
-    key_loops = [body for body in loops_of(code) if sum(bool(re.search(r"\bvfmadd\d+ps\b", t)) for t in body) == 16]
-    assert key_loops, "no loop of 16 multiply-adds:\n" + "\n".join(code)
+    # The loop over the keys: the shortest with 4 x rows multiply-adds (a backward jump
+    # that joins two paths of the function also spans one, with whatever lies around it).
+    fmas = 4 * rows
+    key_loops = [body for body in loops_of(code) if sum(bool(re.search(r"\bvfmadd\d+ps\b", t)) for t in body) == fmas]
+    assert key_loops, f"no loop of {fmas} multiply-adds:\n" + "\n".join(code)
     key_loop = min(key_loops, key=len)
     spills = [t for t in key_loop if "(%rsp)" in t or "(%rbp)" in t or re.search(r"\bvmovq\b", t)]
     assert not spills, "the value loop without asks spills:\n" + "\n".join(key_loop)

@@ -78,7 +78,7 @@ def set_pair_dots(on: bool) -> None:
 
 def transposed_pairs_enabled() -> bool:
     """Whether a prefill scores its transposed K blocks two at a time now: on where one
-    block at a time is bound by its loads (CPUs other than AMD's), unless
+    block at a time is bound by its loads (Intel's cores, AMD's Zen 5; not Zen 4), unless
     `$PAGECHECK_TRANSPOSED_PAIRS` (0 or 1) said otherwise when the kernels loaded; False in
     a build without AVX-512 (impl/csrc/transposed.h)."""
     return _kernels.transposed_pairs_enabled()

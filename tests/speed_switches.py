@@ -16,6 +16,15 @@ def amd_cpu() -> bool:
     return "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
 
 
+def cpu_family() -> int:
+    """The CPU's display family as Linux reads it from cpuid (/proc/cpuinfo "cpu family":
+    AMD's Zen 4 0x19, Zen 5 0x1A; Intel's cores 6)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("cpu family"):
+            return int(line.split(":", 1)[1])
+    raise LookupError("/proc/cpuinfo names no cpu family")
+
+
 def enabled_in_a_fresh_process(query: str, variable: str, value: str | None) -> bool:
     """pagecheck_kernels.<query>() in a new interpreter whose environment holds
     `variable` = `value` (left out where None)."""

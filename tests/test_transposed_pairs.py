@@ -12,8 +12,9 @@ FMA path).
 | last block, windows, a prefix in the cache, a negative scale,   |                                               |
 | soft-cap; fp8 and int8 pages with their scales                  |                                               |
 | on scores pairs, off none                                       | test_same_bits_either_way (the counter)       |
-| the default: off on AMD's CPUs, on elsewhere; the variable      | test_default_follows_the_cpu_and_the_variable |
-| $PAGECHECK_TRANSPOSED_PAIRS (0 or 1) overrides                  |                                               |
+| the default: off on AMD's Zen 4 and older (family 0x19 and      | test_default_follows_the_cpu_and_the_variable |
+| below), on elsewhere (Intel, Zen 5); $PAGECHECK_TRANSPOSED_PAIRS | test_pairs_pay_where_loads_bound_a_block      |
+| (0 or 1) overrides                                              |                                               |
 | the switch takes a bool only, and changes nothing when refused  | test_switch_takes_only_a_bool                 |
 """
 
@@ -29,7 +30,7 @@ import impl
 from fixtures import paged_case
 from fixtures.quantized import quantized
 from tests.bitwise import result_bits
-from tests.speed_switches import amd_cpu, enabled_in_a_fresh_process
+from tests.speed_switches import amd_cpu, cpu_family, enabled_in_a_fresh_process
 from tests.tile_path import tile_path
 
 pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in kernel's transposed prefill walk")]
@@ -118,10 +119,26 @@ def _enabled_in_a_fresh_process(value):
     return enabled_in_a_fresh_process("transposed_pairs_enabled", "PAGECHECK_TRANSPOSED_PAIRS", value)
 
 
-@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo to tell the CPU's vendor")
+def _pairs_pay(amd: bool, family: int) -> bool:
+    """One block at a time only where the FMAs, not the loads, bound it: AMD's Zen 4 (its
+    512-bit FMAs in two halves), family 0x19; Zen 3 and older have no walk to choose."""
+    return not amd or family >= 0x1A
+
+
+# (AMD's?, cpuid display family): Intel's cores (6) and its newer family 19, AMD's Zen 2
+# (0x17), Zen 3 / Zen 4 (0x19), Zen 5 (0x1A) and a later family
+CPUS = [(False, 6), (False, 19), (True, 0x17), (True, 0x19), (True, 0x1A), (True, 0x1B)]
+
+
+@pytest.mark.parametrize("amd, family", CPUS)
+def test_pairs_pay_where_loads_bound_a_block(amd, family):
+    assert pagecheck_kernels.transposed_pairs_pay(amd, family) is _pairs_pay(amd, family)
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo to tell the CPU's vendor and family")
 def test_default_follows_the_cpu_and_the_variable():
     built = _built()
-    assert _enabled_in_a_fresh_process(None) == (built and not amd_cpu())
+    assert _enabled_in_a_fresh_process(None) == (built and _pairs_pay(amd_cpu(), cpu_family()))
     assert _enabled_in_a_fresh_process("0") is False
     assert _enabled_in_a_fresh_process("1") == built
 

@@ -125,6 +125,11 @@ NB_MODULE(_kernels, m) {
   m.def("set_transposed_pairs", &pagecheck::set_transposed_pairs, "on"_a,
         "Switch a prefill's transposed K blocks in pairs on or off (same bits either way; on raises ValueError "
         "in a build without AVX-512).");
+  m.def("transposed_pairs_pay", &pagecheck::transposed_pairs_pay, "amd"_a, "family"_a,
+        "For tests: whether the pairs are the default on a CPU of this vendor (AMD or not) and cpuid family.");
+  m.def("wide_value_rows", &pagecheck::wide_value_rows,
+        "For tests: query rows prefills' value passes weighed in full groups of 6 (rows that see the same keys) "
+        "since load.");
   m.def("transposed_pairs_scored", &pagecheck::transposed_pairs_scored,
         "For tests: pairs of K blocks prefills scored together since load.");
   m.def("pair_dots_refusals", &pagecheck::pair_dots_refusals,

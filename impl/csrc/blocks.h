@@ -179,6 +179,9 @@ inline void scores16(const float* q, const typename E::T* const* rows, int D, fl
 }
 
 constexpr int kRowBlock = 4;  // query rows per register block
+// Query rows a value pass weighs at once (weigh_rows): 6 x 4 accumulators, 4 V rows' vectors
+// and a broadcast hold 29 of the 32 registers.
+constexpr int kWeighRows = 6;
 
 #if defined(__AVX512F__)
 // Keeps v in a register from here on (an empty asm that "changes" it): GCC otherwise
@@ -267,7 +270,7 @@ template <class E, int NR, int NV, bool Asks>
 __attribute__((noinline)) void weigh_keys(const typename E::T* const* rows, const float* const* p, int n,
                                           float* const* o, int d0, const typename E::T* const* next, bool fresh) {
   __m512 acc[NR][NV];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(o[r] + d0 + v * kLanes);
@@ -283,7 +286,7 @@ __attribute__((noinline)) void weigh_keys(const typename E::T* const* rows, cons
       for (int v = 0; v < NV; ++v) acc[r][v] = fma16(pj, vj[v], acc[r][v]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o[r] + d0 + v * kLanes, acc[r][v]);
@@ -365,7 +368,7 @@ inline void scores16_rows(const float* const* q, int nr, const typename E::T* co
   for (int r = 0; r < nr; ++r) scores16<E>(q[r], rows, D, s[r]);
 }
 
-// weigh for nr <= kRowBlock rows over the same n keys: o[r][d] += p[r][j] * rows[j][d].
+// weigh for nr <= kWeighRows rows over the same n keys: o[r][d] += p[r][j] * rows[j][d].
 // fresh: the rows' outputs start from zero (what o held is ignored, never read), as if
 // o had been zeroed first: the same operations, without the zeroing pass and the loads.
 template <class E>
@@ -377,7 +380,9 @@ inline void weigh_rows(const typename E::T* const* rows, const float* const* p, 
       case 1: weigh_rows_nr<E, 1>(rows, p, n, o, D, next, fresh); return;
       case 2: weigh_rows_nr<E, 2>(rows, p, n, o, D, next, fresh); return;
       case 3: weigh_rows_nr<E, 3>(rows, p, n, o, D, next, fresh); return;
-      default: weigh_rows_nr<E, 4>(rows, p, n, o, D, next, fresh); return;
+      case 4: weigh_rows_nr<E, 4>(rows, p, n, o, D, next, fresh); return;
+      case 5: weigh_rows_nr<E, 5>(rows, p, n, o, D, next, fresh); return;
+      default: weigh_rows_nr<E, 6>(rows, p, n, o, D, next, fresh); return;
     }
   }
 #endif

@@ -41,9 +41,12 @@ int64_t pair_dots_refusals();
 
 // Whether a prefill scores its transposed K blocks two at a time (transposed.h
 // scores_transposed, transposed_walk.h): $PAGECHECK_TRANSPOSED_PAIRS (0 or 1) at load
-// time, else on where it pays (CPUs other than AMD's: transposed.h); false in a build
-// without AVX-512, which has no transposed walk.
+// time, else on where it pays (transposed_pairs_pay for this CPU's vendor and cpuid
+// family); false in a build without AVX-512, which has no transposed walk.
 bool transposed_pairs_enabled();
+// Whether the pairs are faster on a CPU of this vendor (AMD or not) and cpuid display
+// family: everywhere but AMD's Zen 4 and older (transposed_pairs.cpp says why).
+bool transposed_pairs_pay(bool amd, int family);
 // Switches the pairs on or off for later calls (the same bits either way); on throws
 // std::invalid_argument in a build without AVX-512.
 void set_transposed_pairs(bool on);
@@ -51,6 +54,10 @@ void set_transposed_pairs(bool on);
 // head and row selection, as counted by count_transposed_pairs).
 int64_t transposed_pairs_scored();
 void count_transposed_pairs(int64_t pairs);
+// For tests: query rows a prefill's value passes weighed in full groups of kWeighRows
+// (weigh_by_group: rows that see the same keys of a chunk) since the module was loaded.
+int64_t wide_value_rows();
+void count_wide_value_rows(int64_t rows);
 
 // KV heads per work item of the decode schedule (decode.cpp) for `chunk_items` (request,
 // chunk) pairs whose chunks hold `item_keys` keys each on average, L query positions, on

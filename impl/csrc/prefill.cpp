@@ -8,6 +8,7 @@
 // same calls the decode schedule makes, so the last row of a prefill equals a
 // one-token decode at that position bit for bit (REFERENCE.md invariant 8). On AMX tiles
 // (bfloat16, amx.h) both schedules call amx_attend_chunk instead, with the same effect.
+#include <atomic>
 #include <optional>
 
 #include "amx.h"
@@ -29,7 +30,16 @@ struct BlockTask {
   int b, g, l0, nq;
 };
 
+std::atomic<int64_t>& wide_rows() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+
 }  // namespace
+
+int64_t wide_value_rows() { return wide_rows().load(std::memory_order_relaxed); }
+
+void count_wide_value_rows(int64_t rows) { wide_rows().fetch_add(rows, std::memory_order_relaxed); }
 
 template <class E, class KV>
 void run_prefill(const Problem& pr, const typename E::T* q, const typename KV::T* kpool,

@@ -2,6 +2,9 @@
 // transposed_walk.h score_transposed, kernel_info.h).
 #include <atomic>
 #include <cstdlib>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 #include <cstring>
 #include <stdexcept>
 
@@ -23,9 +26,11 @@ std::atomic<bool>& switched_on() {
     const char* v = std::getenv("PAGECHECK_TRANSPOSED_PAIRS");
     if (v != nullptr && (std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0)) return v[0] == '1';
 #if defined(__x86_64__)
-    // Pairs pay where one block at a time is bound by its loads (Intel's two FMA ports),
-    // not where the FMAs bound it (AMD's one 512-bit FMA a cycle): transposed.h.
-    return __builtin_cpu_is("amd") == 0;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return true;
+    unsigned family = (eax >> 8) & 0xF;  // the display family: base, plus extended where base is 0xF
+    if (family == 0xF) family += (eax >> 20) & 0xFF;
+    return transposed_pairs_pay(__builtin_cpu_is("amd") != 0, static_cast<int>(family));
 #else
     return true;
 #endif
@@ -39,6 +44,15 @@ std::atomic<int64_t>& pairs_scored() {
 }
 
 }  // namespace
+
+// Pairs pay where one block at a time is bound by its loads: Intel's cores and AMD's Zen 5
+// (family 0x1A), which issue two 512-bit FMAs and two 512-bit loads a cycle (fma_loops,
+// one thread, Zen 5: 5.5 vector FMAs a ns one block at a time, 6.9 in pairs; prefill
+// L = S = 2048 f32 11-17% faster). Not where the FMAs bound it: Zen 4 (family 0x19) runs a
+// 512-bit FMA as two 256-bit halves, and there the pairs' pending sums in memory cost more
+// than the broadcasts they save (3.4-3.6 against 2.9-3.3; prefill 5-8% slower in pairs).
+// Zen 3 and older (0x19 and below) have no AVX-512, so no walk to choose.
+bool transposed_pairs_pay(bool amd, int family) { return !amd || family > 0x19; }
 
 int64_t transposed_pairs_scored() { return pairs_scored().load(std::memory_order_relaxed); }
 
