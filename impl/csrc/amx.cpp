@@ -144,13 +144,8 @@ void row_weights(const Chunk& c, float* row, int a, int z, int t0, int t1, uint1
   masked(ta);
   for (int t = ta + 1; t < tz - 1; ++t) slab(t, 0xFFFF, 0xFFFF);
   if (tz - 1 > ta) masked(tz - 1);
-  // fold_lanes on the vector: lane i adds lane i + 8, then i + 4, i + 2, i + 1.
-  sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(3, 2, 3, 2)));
-  sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, _MM_SHUFFLE(1, 1, 1, 1)));
-  sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, _MM_SHUFFLE(3, 2, 3, 2)));
-  sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, _MM_SHUFFLE(1, 1, 1, 1)));
   ml[0] = m;
-  ml[1] = _mm512_cvtss_f32(sum);
+  ml[1] = fold_lanes16(sum);
 }
 
 // Row n of the pair's head: its softmax, or zero weights (a row that sees no key, a

@@ -453,10 +453,8 @@ inline float exp2_shifted(float* p, int n, float m, float scale, int first) {
     _mm512_mask_storeu_ps(p + i, live, y);
     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, y));
   }
-  alignas(64) float acc[kLanes];
-  _mm512_store_ps(acc, sum);
   (void)first;
-  return fold_lanes(acc);
+  return fold_lanes16(sum);
 #else
   for (; i < n; ++i) p[i] = exp2_nonpositive((p[i] - m) * scale);
   return lane_sum(p, first, n);

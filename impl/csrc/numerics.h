@@ -155,6 +155,19 @@ inline float fold_lanes(float* acc) {
   return acc[0];
 }
 
+#if defined(__AVX512F__)
+// fold_lanes on a vector's 16 lanes: the same adds (lane i + lane i + w for w = 8, 4, 2,
+// 1) in registers, not 15 dependent scalar adds through memory (those were 1.9% of a
+// prefill L = S = 2048 f32 on the Zen 5 machine: one fold a row and chunk).
+inline float fold_lanes16(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(3, 2, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 1, 1, 1)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(3, 2, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 1, 1, 1)));
+  return _mm512_cvtss_f32(v);
+}
+#endif
+
 // The score dot product: lane i accumulates d = i, i+16, i+32, ... in ascending
 // order (a short D leaves the upper lanes at zero), then fold_lanes. The key row may be
 // any element type E: it is widened exactly, element by element, as it is read.
