@@ -82,3 +82,19 @@ def test_read_stream_reads_every_slice_once_per_call():
     assert sorted(stream()) == [7.0, 8.0, 9.0]
     stream.close()
     assert stream.data is None
+
+
+def test_cpu_names_its_family_and_model(monkeypatch, tmp_path):
+    """The report's machine line tells Zen 4 from Zen 5 ("AMD EPYC" names both in a VM):
+    the model name with /proc/cpuinfo's cpu family and model; the name alone where those
+    are missing."""
+    from bench import machine
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                       "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 25\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    assert machine._cpu_model() == "AMD EPYC (family 26, model 2)"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\n")
+    assert machine._cpu_model() == "Some CPU"
