@@ -15,7 +15,7 @@ query element once for both.
 | the transposed score loop shuffles (the fold it exists to remove) | test_transposed_score_loop_has_no_shuffle |
 | the two-block transposed loop broadcasts each query element once per block, or folds its K loads into the FMAs (Zen tuning) | test_paired_transposed_loop_broadcasts_once |
 | the value loop without asks (the prefill's) reloads its key count from the stack and parks a row pointer in a vector register every key, asks, is merged with the asking loop (Zen tuning), or keeps its accumulators on the stack around the loop | test_value_loop_keeps_its_operands_in_registers |
-| the one-block transposed loop (AMD's prefill) keeps its pending sums in memory | test_one_block_transposed_loop_keeps_its_sums_in_registers |
+| the one-block transposed loop (Zen 4's prefill) keeps its pending sums in memory | test_one_block_transposed_loop_keeps_its_sums_in_registers |
 """
 
 import re
@@ -118,7 +118,7 @@ def test_paired_transposed_loop_broadcasts_once(program, folding_program, tuning
 
 @pytest.mark.parametrize("tuning", ["native", "zen"])
 def test_one_block_transposed_loop_keeps_its_sums_in_registers(program, folding_program, tuning):
-    """scores_transposed<4, 1>, the prefill's loop one block at a time (AMD's: transposed.h),
+    """scores_transposed<4, 1>, the prefill's loop one block at a time (Zen 4's: transposed.h),
     holds every pending partial sum in a register: no vector goes through the stack (the
     pairs' loop keeps them in memory, where 32 registers would not hold them)."""
     code = score_loop_code(program if tuning == "native" else folding_program, loop=TRANSPOSED_LOOP)

@@ -70,12 +70,13 @@ inline void transpose_block(const typename E::T* const* rows, int D, float* kt) 
 // time is bound by its loads (10 per 8 FMAs): bench/fma_loops, one thread, transposed
 // blocks from L1, 3.2-3.4 GFMA/s one at a time, 4.2-4.4 two at a time (5.8 the peak);
 // prefill L = S = 2048 f32 pages of 128, 2 threads, perf: the score loop's share of the
-// call 45% -> 40% beside the value loop's 32% -> 38% (as many multiply-adds). On the AMD
-// machine (one 512-bit FMA a cycle, as two halves) the FMAs bound both, and the pairs'
-// pending sums in memory cost more than the broadcasts they save: one block 3.4-3.6, two
-// 2.9-3.3 GFMA/s (prefill L = S = 2048 f32, 2 threads, in turns with vLLM's op: pages of
-// 128 5-8% faster one block at a time, transposed_pairs.cpp). Each key's sums are the same adds in the same pairs whatever NB, so the
-// bits are the fold's.
+// call 45% -> 40% beside the value loop's 32% -> 38% (as many multiply-adds). So is AMD's
+// Zen 5 (the same two of each): one block 5.5, two 6.9. On AMD's Zen 4 (one 512-bit FMA a
+// cycle, as two halves) the FMAs bound both, and the pairs' pending sums in memory cost
+// more than the broadcasts they save: one block 3.4-3.6, two 2.9-3.3 GFMA/s (prefill
+// L = S = 2048 f32, 2 threads, in turns with vLLM's op: pages of 128 5-8% faster one block
+// at a time; the rule by CPU family is transposed_pairs.cpp's). Each key's sums are the
+// same adds in the same pairs whatever NB, so the bits are the fold's.
 template <int NR, int NB>
 __attribute__((noinline)) void scores_transposed(const float* const* q, const float* const* kt, int D,
                                                  float* const* s) {
