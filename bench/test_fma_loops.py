@@ -149,8 +149,9 @@ def test_value_loop_keeps_its_operands_in_registers(program, folding_program, tu
     """weigh_keys<F32, rows, 4, false>, the prefill's value loop (its V rows sit in scratch;
     6 rows where they see the same keys, 24 accumulators, 4 V vectors and a broadcast in
     29 of the 32 registers), asks for nothing, and every loop over the keys of 4 x rows
-    multiply-adds in it needs nothing from the stack and no row pointer parked in a vector register, under the native tuning
-    and Zen's; its twin with asks (a decode's) asks. With the test of `next` inside one
+    multiply-adds in it needs nothing from the stack and no row pointer parked in a vector
+    register, under the native tuning and Zen's; its twin with asks (a decode's, 4 rows)
+    asks. With the test of `next` inside one
     loop, GCC reloaded the key count from the stack and moved a row pointer out of a vector
     register every key, and the prefill's value loop ran behind its score loop (README "The
     f32 prefill on the Intel machine"); two loops in one function were merged back into

@@ -113,12 +113,16 @@ struct RowGroups {
 };
 
 // Calls weigh(g) for the rows [r0, r1) that see keys of [w0, w1), gathered into groups
-// of up to kRowBlock rows that see the same keys [a, z) of it (their spans clipped to
+// of up to Rows rows that see the same keys [a, z) of it (their spans clipped to
 // [w0, w1)): g.p[i] points at row i's score of key a (scores start at key jlo), g.o[i] at
 // its output. g.fresh: the rows' first keys (clo) lie in [w0, w1), so nothing was added
 // to their outputs before (callers weigh ranges in ascending order). A group is weighed
 // as soon as it is full, the partial ones at the end.
-template <class Weigh>
+// Rows: kWeighRows for the prefill's value pass (weigh_by_group, its loop without asks);
+// kRowBlock for a decode's spans, whose loop asks for the next span: with 6 rows and the
+// asks GCC runs out of general registers there (the key loop reloads pointers from the
+// stack and parks them in vector registers, as the value loop did before it was split).
+template <int Rows, class Weigh>
 inline void weigh_in_groups(int r0, int r1, int w0, int w1, const int* clo, const int* chi, int jlo,
                             const float* scores, float* o, int D, Weigh&& weigh) {
   RowGroups groups;
@@ -132,7 +136,7 @@ inline void weigh_in_groups(int r0, int r1, int w0, int w1, const int* clo, cons
     RowGroups::Group& g = groups.open(a, z, clo[r] >= w0);
     g.p[g.n] = scores + static_cast<int64_t>(r) * Scratch::kScoreStride + (a - jlo);
     g.o[g.n++] = o + static_cast<int64_t>(r) * D;
-    if (g.n == kWeighRows) flush(g);
+    if (g.n == Rows) flush(g);
   }
   for (int i = 0; i < groups.count; ++i) {
     if (groups.list[i].n > 0) flush(groups.list[i]);
@@ -214,7 +218,7 @@ void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t
       s.chunk_values.resize(static_cast<size_t>(kChunk) * D);
       widen_rows<E>(vh, off, n, D, s.chunk_values.data(), s.zeros.data(), values);
     }
-    weigh_in_groups(h * per_head, (h + 1) * per_head, jlo, jhi, clo, chi, jlo, s.scores.data(), o, D,
+    weigh_in_groups<kWeighRows>(h * per_head, (h + 1) * per_head, jlo, jhi, clo, chi, jlo, s.scores.data(), o, D,
                     [&](const RowGroups::Group& g) {
                       weigh_rows<F32>(values + (g.a - jlo), g.p, g.n, g.z - g.a, g.o, D, nullptr, g.fresh);
                       if (g.n == kWeighRows) wide += g.n;
@@ -300,7 +304,7 @@ void weigh_in_spans(const Problem& pr, const typename E::T* vpool, const int64_t
       }
       if (a0 < a1) pool_rows<E>(vpool + ah * pr.value_slice(), off + (a0 - jlo), a1 - a0, zero_row, ahead);
       const T* const* next = asks && a0 < a1 ? ahead : nullptr;
-      weigh_in_groups(h * per_head, (h + 1) * per_head, w0, w1, clo, chi, jlo, s.scores.data(), o, Dv,
+      weigh_in_groups<kRowBlock>(h * per_head, (h + 1) * per_head, w0, w1, clo, chi, jlo, s.scores.data(), o, Dv,
                       [&](const RowGroups::Group& g) {
                         // The next rows at the same place as these, where the next span has them.
                         const bool ask = next != nullptr && g.z - w0 <= a1 - a0;
