@@ -3,6 +3,7 @@ once in its file, ids are unique, and a mutant that needs AMX tiles says so."""
 
 import fnmatch
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -141,6 +142,36 @@ def test_mutmut_copy_check_runs_the_whole_configured_selection(tmp_path, broken)
     (tests / "test_b.py").write_text(bad)
     failed = check_copy(tmp_path, 2)
     assert failed is not None and ("test_bad" if broken == "fails" else "no_such_package_here") in failed
+
+
+@pytest.mark.parametrize("cache", ["/opt/bin/ccache", None])
+def test_mutant_builds_compile_through_one_cache_per_run(tmp_path, monkeypatch, cache):
+    """With ccache, every worker of a run configures it as the compiler launcher and
+    compiles into the run's one cache, its paths relative to the run's scratch base (so a
+    restored file's dependents, and another worker's objects, are hits); without ccache
+    the build is plain. Later builds only build (the configure step runs once)."""
+    from mutants import runner
+
+    monkeypatch.setattr(runner, "compiler_cache", lambda: cache)
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append((cmd, kwargs["env"]))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(runner.subprocess, "run", run)
+    workers = [runner.Worker(i, tmp_path, []) for i in range(2)]
+    for worker in workers:
+        (worker.dir / "impl/csrc").mkdir(parents=True)
+        (worker.dir / "impl/csrc/pagecheck_kernels_init.py").write_text("")
+        assert worker._build() == (True, "") and worker._build() == (True, "")
+    configures = [cmd for cmd, _ in calls if "-S" in cmd]
+    assert len(configures) == 2 and len(calls) == 6
+    launchers = [[a for a in cmd if "COMPILER_LAUNCHER" in a] for cmd in configures]
+    assert launchers == ([[f"-DCMAKE_CXX_COMPILER_LAUNCHER={cache}"]] * 2 if cache else [[], []])
+    for _, env in calls:
+        assert (env["CCACHE_DIR"], env["CCACHE_BASEDIR"]) == (str(tmp_path / "ccache"), str(tmp_path))
+        assert env["CCACHE_NOHASHDIR"] == "1"
 
 
 @pytest.mark.parametrize("pristine_bits", ["pinned", "differ"])
