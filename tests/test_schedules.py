@@ -86,3 +86,17 @@ def test_all_slots_empty_gives_zeros_without_reading_the_pool():
     case = paged_case(context_lens=[0, 0], query_len=3, seed=36, extra_pages=2)
     out = to_numpy(case.run(impl.paged_attention))
     assert out.shape == (2, 4, 3, 16) and np.all(out == 0)
+
+
+@pytest.mark.parametrize("L, starts", [(9, [0]), (64, [0]), (65, [64, 0]), (512, [448, 384, 320, 256, 192, 128, 64, 0])])
+def test_prefill_hands_out_a_heads_blocks_last_first(L, starts):
+    """The threads claim a prefill's blocks in order, and under a causal mask the last
+    block sees the most keys: handed out last-first, a loop ends on short blocks instead
+    of one thread finishing a long one alone (a choice of speed: bits are per row)."""
+    assert pagecheck_kernels.prefill_block_starts(L) == starts
+
+
+@pytest.mark.parametrize("L", [0, -64])
+def test_prefill_block_starts_refuse_an_empty_query(L):
+    with pytest.raises(ValueError, match="L must be at least 1"):
+        pagecheck_kernels.prefill_block_starts(L)

@@ -10,6 +10,8 @@ weighed in full groups.
 | a prefill behind a cached prefix weighs its rows in groups of 6  | test_rows_that_share_keys_go_six_at_once |
 | (GQA group 4: every 6 rows span two positions' heads)            |                                        |
 | a decode weighs none that way (its spans go 4 rows at a time)    | test_rows_that_share_keys_go_six_at_once |
+| rows whose keys end at their own positions (the causal diagonal) | test_diagonal_rows_go_six_at_once_and_step_on |
+| go 6 at a time too: the keys all see, then steps over the rest   |                                        |
 | partial groups of 1-5 rows weigh every row: each prefill row     | test_partial_groups_weigh_every_row    |
 | equals its one-token decode bit for bit (invariant 8; the decode |                                        |
 | weighs span by span, never in these groups), f32 and bf16        |                                        |
@@ -29,19 +31,34 @@ pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in ke
 
 def test_rows_that_share_keys_go_six_at_once():
     # 64 positions behind 960 cached ones, GQA group 4: the chunks before the diagonal are
-    # seen whole by all 256 rows of a KV head, 42 groups of 6 and one of 4 each.
+    # seen whole by all 256 rows of a KV head, 42 groups of 6 and one of 4 each; so are
+    # the diagonal chunk's, whose keys end at their positions.
     case = paged_case(context_lens=[1024], query_len=64, q_heads=8, kv_heads=2, head_dim=64, page_size=16,
                       dtype="float32", seed=5)
     before = pagecheck_kernels.wide_value_rows()
     case.run(impl.paged_attention)
-    # 2 KV heads x 3 whole chunks x 42 groups of 6 (the diagonal chunk's rows see spans
-    # of their own: one position's 4 heads a group)
-    assert pagecheck_kernels.wide_value_rows() - before == 2 * 3 * 42 * 6
+    assert pagecheck_kernels.wide_value_rows() - before == 2 * 4 * 42 * 6
     decode = paged_case(context_lens=[1024, 700], query_len=1, q_heads=8, kv_heads=2, head_dim=64, page_size=16,
                         dtype="float32", seed=6)
     before = pagecheck_kernels.wide_value_rows()
     decode.run(impl.paged_attention)
     assert pagecheck_kernels.wide_value_rows() == before
+
+
+@pytest.mark.parametrize("q_heads, wide", [(4, 42 * 6), (1, 2 * 6)])
+def test_diagonal_rows_go_six_at_once_and_step_on(q_heads, wide):
+    # A prefill of 12 (G 1) or 64 (G 4) positions, no cached prefix: one chunk, every
+    # position's keys end at a key of their own. Grouped by exact span, a group was one
+    # position's G rows (never 6); in steps, the rows go 6 at a time over the keys all of
+    # them see, then on over the rest; every row still equals its one-token decode.
+    query_len = 64 if q_heads == 4 else 12
+    case = paged_case(context_lens=[query_len], query_len=query_len, q_heads=q_heads, kv_heads=1, head_dim=64,
+                      page_size=16, dtype="float32", seed=7)
+    before = pagecheck_kernels.wide_value_rows()
+    out = case.run(impl.paged_attention)
+    assert pagecheck_kernels.wide_value_rows() - before == wide
+    for row in range(query_len):
+        assert bits(case.decode_row(row).run(impl.paged_attention)) == bits(out[:, :, row:row + 1]), f"row {row}"
 
 
 # (q_heads, query_len): a KV head's rows that see whole chunks, G x L, leave 1-5 rows

@@ -130,6 +130,8 @@ NB_MODULE(_kernels, m) {
   m.def("wide_value_rows", &pagecheck::wide_value_rows,
         "For tests: query rows prefills' value passes weighed in full groups of 6 (rows that see the same keys) "
         "since load.");
+  m.def("prefill_block_starts", &pagecheck::prefill_block_starts, "L"_a,
+        "For tests: where a prefill's query blocks start, in the order a KV head's blocks are handed out.");
   m.def("transposed_pairs_scored", &pagecheck::transposed_pairs_scored,
         "For tests: pairs of K blocks prefills scored together since load.");
   m.def("pair_dots_refusals", &pagecheck::pair_dots_refusals,

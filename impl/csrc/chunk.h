@@ -83,64 +83,70 @@ struct BlockRows {
   }
 };
 
-// Open groups of rows keyed by their span [a, z) within one block of keys, and by
-// whether these are the first keys the rows weigh (fresh: their outputs start from zero).
-struct RowGroups {
-  struct Group {
-    int a, z, n;
-    bool fresh;
-    const float* p[kWeighRows];
-    float* o[kWeighRows];
-  };
-  // At most one per distinct span: a block of 16 keys has at most this many, and a
-  // chunk seen by a prefill query block at most one per position (prefill.cpp), every
-  // row fresh there; a decode head's rows at most two per position (L <= 8).
-  static constexpr int kCapacity = kBlock * (kBlock + 1) / 2 + 1;
-  Group list[kCapacity];
-  int count = 0;
-
-  Group& open(int a, int z, bool fresh) {
-    for (int i = 0; i < count; ++i) {
-      if (list[i].a == a && list[i].z == z && list[i].fresh == fresh) return list[i];
-    }
-    Group& g = list[count++];
-    g.a = a;
-    g.z = z;
-    g.fresh = fresh;
-    g.n = 0;
-    return g;
-  }
+// Up to kWeighRows rows that weigh the same keys [a, z) in one call (weigh_in_groups).
+struct RowGroup {
+  int a, z, n;
+  bool fresh;  // these are the rows' first keys: nothing was added to their outputs before
+  const float* p[kWeighRows];
+  float* o[kWeighRows];
 };
 
-// Calls weigh(g) for the rows [r0, r1) that see keys of [w0, w1), gathered into groups
-// of up to Rows rows that see the same keys [a, z) of it (their spans clipped to
-// [w0, w1)): g.p[i] points at row i's score of key a (scores start at key jlo), g.o[i] at
-// its output. g.fresh: the rows' first keys (clo) lie in [w0, w1), so nothing was added
-// to their outputs before (callers weigh ranges in ascending order). A group is weighed
-// as soon as it is full, the partial ones at the end.
-// Rows: kWeighRows for the prefill's value pass (weigh_by_group, its loop without asks);
-// kRowBlock for a decode's spans, whose loop asks for the next span: with 6 rows and the
-// asks GCC runs out of general registers there (the key loop reloads pointers from the
-// stack and parks them in vector registers, as the value loop did before it was split).
+// Calls weigh(g) for the rows [r0, r1) that see keys of [w0, w1) (their spans clipped to
+// it): g.p[i] points at row i's score of key g.a (scores start at key jlo), g.o[i] at its
+// output; g.fresh: these are the rows' first keys (callers weigh ranges in ascending
+// order). The rows are a KV head's, query head by query head, `positions` each; they are
+// taken position by position, so their keys end in ascending order (a row sees keys up
+// to its position), and Rows at a time while they start at the same key. A group weighs
+// the keys all its rows see, then steps on over the rest, its rows whose keys end there
+// left out at each step. Under a causal mask a chunk that reaches a query block's
+// diagonal ends at a different key for every position: grouped by exact span its rows
+// went G (4) a call, and at L = S = 512 pages of 128 (f32, AMD Zen 5) those groups took
+// more of the prefill than its full groups of 6 (19.5% and 17% of the time in perf).
+// Every output still adds p_j v_j for j ascending from its first key, one fused
+// multiply-add each, stored after one step and loaded by the next: the same bits.
 template <int Rows, class Weigh>
-inline void weigh_in_groups(int r0, int r1, int w0, int w1, const int* clo, const int* chi, int jlo,
+inline void weigh_in_groups(int r0, int r1, int positions, int w0, int w1, const int* clo, const int* chi, int jlo,
                             const float* scores, float* o, int D, Weigh&& weigh) {
-  RowGroups groups;
-  const auto flush = [&](RowGroups::Group& g) {
-    weigh(g);
-    g.n = 0;
+  static_assert(Rows <= kWeighRows);
+  const int heads = (r1 - r0) / positions;
+  int rows[Rows];  // the group's rows, their keys ending in ascending order
+  int n = 0, a = 0;
+  bool fresh = false;
+  const auto end = [&](int r) { return std::min(chi[r], w1); };
+  const auto weigh_group = [&] {
+    RowGroup g;
+    g.a = a;
+    g.fresh = fresh;
+    for (int i = 0; i < n;) {  // rows [i, n) see keys [g.a, end(rows[i]))
+      g.z = end(rows[i]);
+      g.n = 0;
+      for (int k = i; k < n; ++k) {
+        g.p[g.n] = scores + static_cast<int64_t>(rows[k]) * Scratch::kScoreStride + (g.a - jlo);
+        g.o[g.n++] = o + static_cast<int64_t>(rows[k]) * D;
+      }
+      weigh(static_cast<const RowGroup&>(g));
+      while (i < n && end(rows[i]) == g.z) ++i;
+      g.a = g.z;
+      g.fresh = false;
+    }
+    n = 0;
   };
-  for (int r = r0; r < r1; ++r) {
-    const int a = std::max(clo[r], w0), z = std::min(chi[r], w1);
-    if (a >= z) continue;
-    RowGroups::Group& g = groups.open(a, z, clo[r] >= w0);
-    g.p[g.n] = scores + static_cast<int64_t>(r) * Scratch::kScoreStride + (a - jlo);
-    g.o[g.n++] = o + static_cast<int64_t>(r) * D;
-    if (g.n == Rows) flush(g);
+  for (int l = 0; l < positions; ++l) {
+    for (int h = 0; h < heads; ++h) {
+      const int r = r0 + h * positions + l;
+      const int ra = std::max(clo[r], w0);
+      if (ra >= end(r)) continue;
+      const bool first_keys = clo[r] >= w0;
+      if (n > 0 && (ra != a || first_keys != fresh)) weigh_group();
+      if (n == 0) {
+        a = ra;
+        fresh = first_keys;
+      }
+      rows[n++] = r;
+      if (n == Rows) weigh_group();
+    }
   }
-  for (int i = 0; i < groups.count; ++i) {
-    if (groups.list[i].n > 0) flush(groups.list[i]);
-  }
+  if (n > 0) weigh_group();
 }
 
 // Calls visit(h, jb, n) for every head h < heads and every block [jb, jb + n) of at most
@@ -199,9 +205,9 @@ inline void for_blocks_ahead(const Problem& pr, const typename E::T* pool, const
 // faster against vLLM's, in turns of processes. The chunk's V rows are read
 // in place (float32) or widened once into scratch. Every output element still adds
 // p_j v_j for j ascending from a, one fused multiply-add each: the same bits as the
-// block-by-block walk. Spans depend only on a row's position, so a prefill query block
-// has at most one per position in a chunk, whatever the GQA group. Float32 rows that
-// start mid cache line are copied too (read_in_place).
+// block-by-block walk. Where the rows' keys end at their positions (the chunk that
+// reaches the diagonal) a group of 6 steps on over the keys its later positions see.
+// Float32 rows that start mid cache line are copied too (read_in_place).
 template <class E>
 void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t* off, int jlo, int jhi,
                     int rows, int heads, const int* clo, const int* chi, Scratch& s, float* o) {
@@ -218,11 +224,11 @@ void weigh_by_group(const Problem& pr, const typename E::T* vpool, const int64_t
       s.chunk_values.resize(static_cast<size_t>(kChunk) * D);
       widen_rows<E>(vh, off, n, D, s.chunk_values.data(), s.zeros.data(), values);
     }
-    weigh_in_groups<kWeighRows>(h * per_head, (h + 1) * per_head, jlo, jhi, clo, chi, jlo, s.scores.data(), o, D,
-                    [&](const RowGroups::Group& g) {
-                      weigh_rows<F32>(values + (g.a - jlo), g.p, g.n, g.z - g.a, g.o, D, nullptr, g.fresh);
-                      if (g.n == kWeighRows) wide += g.n;
-                    });
+    weigh_in_groups<kWeighRows>(h * per_head, (h + 1) * per_head, per_head / pr.group(), jlo, jhi, clo, chi, jlo,
+                                s.scores.data(), o, D, [&](const RowGroup& g) {
+                                  weigh_rows<F32>(values + (g.a - jlo), g.p, g.n, g.z - g.a, g.o, D, nullptr, g.fresh);
+                                  if (g.n == kWeighRows) wide += g.n;
+                                });
   }
   if (wide > 0) count_wide_value_rows(wide);  // one atomic add a chunk, for tests
 }
@@ -304,21 +310,22 @@ void weigh_in_spans(const Problem& pr, const typename E::T* vpool, const int64_t
       }
       if (a0 < a1) pool_rows<E>(vpool + ah * pr.value_slice(), off + (a0 - jlo), a1 - a0, zero_row, ahead);
       const T* const* next = asks && a0 < a1 ? ahead : nullptr;
-      weigh_in_groups<kRowBlock>(h * per_head, (h + 1) * per_head, w0, w1, clo, chi, jlo, s.scores.data(), o, Dv,
-                      [&](const RowGroups::Group& g) {
-                        // The next rows at the same place as these, where the next span has them.
-                        const bool ask = next != nullptr && g.z - w0 <= a1 - a0;
-                        weigh_rows<E>(now + (g.a - w0), g.p, g.n, g.z - g.a, g.o, Dv,
-                                      ask ? next + (g.a - w0) : nullptr, g.fresh);
-                        next = nullptr;  // asked for by the first rows
-                      });
+      weigh_in_groups<kRowBlock>(h * per_head, (h + 1) * per_head, per_head / pr.group(), w0, w1, clo, chi, jlo,
+                                 s.scores.data(), o, Dv, [&](const RowGroup& g) {
+                                   // The next rows at the same place as these, where the next span has them.
+                                   const bool ask = next != nullptr && g.z - w0 <= a1 - a0;
+                                   weigh_rows<E>(now + (g.a - w0), g.p, g.n, g.z - g.a, g.o, Dv,
+                                                 ask ? next + (g.a - w0) : nullptr, g.fresh);
+                                   next = nullptr;  // asked for by the first rows
+                                 });
     }
   }
 }
 
 // Attention of `rows` query rows over the keys of one chunk, for `heads` consecutive KV
 // heads: rows [h * rows / heads, (h + 1) * rows / heads) read KV head h (counted from
-// the head `off` points at). clo/chi: each row's visible keys clipped to the chunk
+// the head `off` points at), query head by query head, the same positions for each, in
+// ascending order (weigh_in_groups takes them position by position). clo/chi: each row's visible keys clipped to the chunk
 // (clo >= chi: none); [jlo, jhi): their union; off, voff: the K and V row offsets of
 // keys jlo .. jhi-1 of the first head. In logit mode the scores become logits
 // (to_logits, reading s.heads and s.pos). Writes each row's chunk state: ml[2r] = m,

@@ -58,6 +58,9 @@ void count_transposed_pairs(int64_t pairs);
 // (weigh_by_group: rows that see the same keys of a chunk) since the module was loaded.
 int64_t wide_value_rows();
 void count_wide_value_rows(int64_t rows);
+// The first query position of each block of a prefill (prefill.cpp), in the order one KV
+// head's blocks are handed to the threads.
+std::vector<int> prefill_block_starts(int L);
 
 // KV heads per work item of the decode schedule (decode.cpp) for `chunk_items` (request,
 // chunk) pairs whose chunks hold `item_keys` keys each on average, L query positions, on
