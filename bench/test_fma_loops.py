@@ -151,11 +151,10 @@ def test_value_loop_keeps_its_operands_in_registers(program, folding_program, tu
     29 of the 32 registers), asks for nothing, and every loop over the keys of 4 x rows
     multiply-adds in it needs nothing from the stack and no row pointer parked in a vector
     register, under the native tuning and Zen's; its twin with asks (a decode's, 4 rows)
-    asks. With the test of `next` inside one
-    loop, GCC reloaded the key count from the stack and moved a row pointer out of a vector
-    register every key, and the prefill's value loop ran behind its score loop (README "The
-    f32 prefill on the Intel machine"); two loops in one function were merged back into
-    that one under Zen's tuning. Its accumulators stay in registers from the first
+    asks. With the test of `next` inside one loop, GCC reloaded the key count from the
+    stack and moved a row pointer out of a vector register every key, and the prefill's
+    value loop ran behind its score loop (README "The f32 prefill on the Intel machine");
+    two loops in one function were merged back into that one under Zen's tuning. Its accumulators stay in registers from the first
     load to the last store: with its loops over them not unrolled, GCC set them up and
     stored them through the stack (16 stores and 16 loads a call of 256 multiply-adds;
     AMD, one thread: 2.0-2.5 against 2.6-3.1 GFMA/s)."""

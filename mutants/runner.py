@@ -138,12 +138,14 @@ class Worker:
         return env
 
     def _build(self) -> tuple[bool, str]:
-        cache = compiler_cache()
-        steps = [] if self.configured else [[
-            "cmake", "-S", str(self.dir), "-B", str(self.build), *(["-G", "Ninja"] if shutil.which("ninja") else []),
-            "-DCMAKE_BUILD_TYPE=Release", f"-DPAGECHECK_OPT_LEVEL={OPT_LEVEL}",
-            f"-DPython_EXECUTABLE={sys.executable}",
-            *([f"-DCMAKE_CXX_COMPILER_LAUNCHER={cache}"] if cache else [])]]
+        steps = []
+        if not self.configured:  # the launcher is part of the configuration
+            cache = compiler_cache()
+            steps.append([
+                "cmake", "-S", str(self.dir), "-B", str(self.build), *(["-G", "Ninja"] if shutil.which("ninja") else []),
+                "-DCMAKE_BUILD_TYPE=Release", f"-DPAGECHECK_OPT_LEVEL={OPT_LEVEL}",
+                f"-DPython_EXECUTABLE={sys.executable}",
+                *([f"-DCMAKE_CXX_COMPILER_LAUNCHER={cache}"] if cache else [])])
         steps.append(["cmake", "--build", str(self.build), "--parallel", str(self.build_jobs)])
         # CCACHE_BASEDIR makes the workers' paths relative, so one worker's objects are the other's hits.
         env = dict(os.environ, CCACHE_DIR=str(self.base / "ccache"), CCACHE_BASEDIR=str(self.base), **CCACHE_ENV)

@@ -128,8 +128,8 @@ NB_MODULE(_kernels, m) {
   m.def("transposed_pairs_pay", &pagecheck::transposed_pairs_pay, "amd"_a, "family"_a,
         "For tests: whether the pairs are the default on a CPU of this vendor (AMD or not) and cpuid family.");
   m.def("wide_value_rows", &pagecheck::wide_value_rows,
-        "For tests: query rows prefills' value passes weighed in full groups of 6 (rows that see the same keys) "
-        "since load.");
+        "For tests: query rows prefills' value passes weighed in full groups of 6 (rows whose keys start "
+        "together, over the keys all of them see) since load.");
   m.def("prefill_block_starts", &pagecheck::prefill_block_starts, "L"_a,
         "For tests: where a prefill's query blocks start, in the order a KV head's blocks are handed out.");
   m.def("transposed_pairs_scored", &pagecheck::transposed_pairs_scored,

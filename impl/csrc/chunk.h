@@ -325,8 +325,8 @@ void weigh_in_spans(const Problem& pr, const typename E::T* vpool, const int64_t
 // Attention of `rows` query rows over the keys of one chunk, for `heads` consecutive KV
 // heads: rows [h * rows / heads, (h + 1) * rows / heads) read KV head h (counted from
 // the head `off` points at), query head by query head, the same positions for each, in
-// ascending order (weigh_in_groups takes them position by position). clo/chi: each row's visible keys clipped to the chunk
-// (clo >= chi: none); [jlo, jhi): their union; off, voff: the K and V row offsets of
+// ascending order (weigh_in_groups takes them position by position). clo/chi: each row's
+// visible keys clipped to the chunk (clo >= chi: none); [jlo, jhi): their union; off, voff: the K and V row offsets of
 // keys jlo .. jhi-1 of the first head. In logit mode the scores become logits
 // (to_logits, reading s.heads and s.pos). Writes each row's chunk state: ml[2r] = m,
 // ml[2r+1] = l (0 when the row sees no key here), o[r*Dv ...]. K/V come in blocks of up

@@ -55,7 +55,8 @@ void set_transposed_pairs(bool on);
 int64_t transposed_pairs_scored();
 void count_transposed_pairs(int64_t pairs);
 // For tests: query rows a prefill's value passes weighed in full groups of kWeighRows
-// (weigh_by_group: rows that see the same keys of a chunk) since the module was loaded.
+// (weigh_by_group: rows whose keys of a chunk start together, over the keys all of them
+// see) since the module was loaded.
 int64_t wide_value_rows();
 void count_wide_value_rows(int64_t rows);
 // The first query position of each block of a prefill (prefill.cpp), in the order one KV
