@@ -3,12 +3,14 @@ once in its file, ids are unique, and a mutant that needs AMX tiles says so."""
 
 import fnmatch
 import re
+import shutil
 import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from fixtures.compile_commands import command_of, last_level
 from mutants.catalog import load, problems
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,6 +174,8 @@ def test_mutant_builds_compile_through_one_cache_per_run(tmp_path, monkeypatch, 
     for _, env in calls:
         assert (env["CCACHE_DIR"], env["CCACHE_BASEDIR"]) == (str(tmp_path / "ccache"), str(tmp_path))
         assert env["CCACHE_NOHASHDIR"] == "1"
+        # the builds precompile the standard headers: ccache caches no such compile without these
+        assert {"pch_defines", "time_macros"} <= set(env["CCACHE_SLOPPINESS"].split(","))
 
 
 @pytest.mark.parametrize("pristine_bits", ["pinned", "differ"])
@@ -212,3 +216,26 @@ def test_mutant_build_is_checked_for_the_pinned_bits_before_any_kill(tmp_path, m
                         ("build", "int x = 2;\n"), ("pytest", "tests/test_x.py::killer"),
                         ("build", "int x = 2;\n"), ("pytest", "tests/test_x.py::killer")]
     assert target.read_text() == "int x = 1;\n"
+
+
+def test_mutant_builds_precompile_the_standard_headers(tmp_path, monkeypatch):
+    """A worker of the mutant runner configures its build at -O0 with the standard and
+    intrinsics headers precompiled (the real configure step, its compile commands read):
+    every kernel file includes the precompiled header, which holds <immintrin.h> and the
+    containers (6.0 -> 4.2 s to rebuild blocks.h's dependents on one core)."""
+    if shutil.which("cmake") is None:
+        pytest.skip("no cmake here")
+    from mutants import runner
+
+    monkeypatch.setenv("CMAKE_EXPORT_COMPILE_COMMANDS", "ON")
+    sources = ["CMakeLists.txt", *(f"impl/csrc/{p.name}" for p in (runner.ROOT / "impl/csrc").iterdir() if p.is_file())]
+    worker = runner.Worker(0, tmp_path, sources)
+    subprocess.run(worker.configure_command(), check=True, capture_output=True)
+    for source in ("decode.cpp", "prefill.cpp", "paged_attention.cpp", "bindings.cpp"):
+        command = command_of(worker.build, f"impl/csrc/{source}")
+        assert last_level(command) == runner.OPT_LEVEL == "-O0", command
+        header = re.search(r"-include (\S+cmake_pch\.hxx)(?!\S)", command)
+        assert header, command
+    included = Path(header.group(1)).read_text()
+    for name in ("<immintrin.h>", "<vector>", "<algorithm>", "<cmath>"):
+        assert f"#include {name}" in included, included

@@ -246,7 +246,7 @@ BOUNDS = {
 @pytest.mark.builtin_only("prevalidated metadata and the unvalidated compiled entry point")
 @pytest.mark.parametrize("name", list(BOUNDS))
 def test_unchecked_kernel_at_the_exact_bounds(name):
-    """kernel.h's request_is_safe at each of its bounds: page id -1 / 0 / P-1 / P, a row
+    """paged_attention.cpp's request_is_safe at each of its bounds: page id -1 / 0 / P-1 / P, a row
     needing exactly max_pages pages / one more, context L / L-1, 0 / -1. Inside a bound
     the unchecked request's output is the validated operator's, bit for bit (and finite);
     outside it is all NaN and the other request keeps the validated operator's bits."""

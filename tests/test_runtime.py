@@ -141,6 +141,12 @@ def test_builtin_runs_on_the_cpu_when_the_default_device_is_the_gpu():
     assert got == want
 
 
+# How long a script of a few calls may take before it counts as hung: each takes 0.2 s at
+# -O3 and 1.7 s in the mutant runner's -O0 builds, where a thread-pool mutant that hangs it
+# is killed only by this time-out (30 s had each such mutant take 32 s of the catalog).
+HANG = 10
+
+
 def _prints_ok(script: str, timeout: float) -> None:
     """Runs `script` in a fresh interpreter at the repository root; it must print "ok"
     within `timeout` s (a hang raises TimeoutExpired: the test fails, the suite goes on)."""
@@ -203,7 +209,7 @@ def test_a_call_never_waits_for_a_worker_that_never_runs():
     prefill, lazy and eager, finish in the calling thread with the 1-worker bits. The
     pool used to wait for every worker to check in to each loop, so a loaded machine's
     small calls waited for a time slice, and held workers hung it (hence the subprocess)."""
-    _prints_ok(HELD_WORKERS, timeout=30)
+    _prints_ok(HELD_WORKERS, timeout=HANG)
 
 
 LONG_ITEMS = """
@@ -224,7 +230,7 @@ def test_a_call_waits_for_the_long_items_workers_hold():
     done sleeps until a worker's last one is: the worker that finishes it must wake it
     (a lost wake-up hangs the call, hence the subprocess), and the call returns the
     1-worker bits."""
-    _prints_ok(LONG_ITEMS, timeout=30)
+    _prints_ok(LONG_ITEMS, timeout=HANG)
 
 
 HOLD = """

@@ -1,14 +1,17 @@
 #include "paged_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
 
-#include "kernel.h"
 #include "kernel_info.h"
 #include "output_cache.h"
 #include "packed_layout.h"
+// problem.h, not kernel.h: this file parses MLX's headers (2.2 s of a -O0 build), and so
+// stays out of the rebuilds for a change to the kernels' row math (40 of the catalog's mutants).
+#include "problem.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace pagecheck {
@@ -17,6 +20,21 @@ namespace {
 
 void require(bool ok, const char* what) {
   if (!ok) throw std::invalid_argument(std::string("pagecheck._kernels.paged_attention: ") + what);
+}
+
+// Whether request b can be computed without reading outside the pool. The Python
+// layer rejects such input with a specific error before it gets here; this is the
+// memory-safety net for a caller that bypasses it: such a request's output is NaN.
+bool request_is_safe(const Problem& pr, int b) {
+  const int ctx = pr.context(b);
+  if (ctx < 0 || (ctx > 0 && ctx < pr.L)) return false;
+  const int64_t pages = (static_cast<int64_t>(ctx) + pr.page_size - 1) / pr.page_size;
+  if (pages > pr.max_pages) return false;
+  const int32_t* row = pr.block_table + static_cast<int64_t>(b) * pr.max_pages;
+  for (int64_t i = 0; i < pages; ++i) {
+    if (row[i] < 0 || row[i] >= pr.P) return false;
+  }
+  return true;
 }
 
 template <class E, class KV = E>
