@@ -101,12 +101,12 @@ def test_transposed_score_loop_has_no_shuffle(program):
 
 
 @pytest.mark.parametrize("tuning", ["native", "zen"])
-def test_paired_transposed_loop_broadcasts_once(program, folding_program, tuning):
+def test_paired_transposed_loop_broadcasts_once(tuned, tuning):
     """scores_transposed<4, 2>, the prefill's loop, broadcasts each query element once for
     both blocks (8 broadcasts for 16 FMAs: 12 loads a step, not 20) and takes every
     operand of its multiply-adds from registers, under the native tuning and under Zen's,
     which folds the K loads into the FMAs where the register barrier is missing."""
-    code = score_loop_code(program if tuning == "native" else folding_program, loop=PAIRED_LOOP)
+    code = score_loop_code(tuned, loop=PAIRED_LOOP)
     assert code, f"{PAIRED_LOOP}...) is not a function of its own in the build (inlined?)"
     fmas = [line for line in code if re.search(r"\bvfmadd\d+ps\b", line)]
     assert len(fmas) >= 16, "\n".join(code)
@@ -117,11 +117,11 @@ def test_paired_transposed_loop_broadcasts_once(program, folding_program, tuning
 
 
 @pytest.mark.parametrize("tuning", ["native", "zen"])
-def test_one_block_transposed_loop_keeps_its_sums_in_registers(program, folding_program, tuning):
+def test_one_block_transposed_loop_keeps_its_sums_in_registers(tuned, tuning):
     """scores_transposed<4, 1>, the prefill's loop one block at a time (Zen 4's: transposed.h),
     holds every pending partial sum in a register: no vector goes through the stack (the
     pairs' loop keeps them in memory, where 32 registers would not hold them)."""
-    code = score_loop_code(program if tuning == "native" else folding_program, loop=TRANSPOSED_LOOP)
+    code = score_loop_code(tuned, loop=TRANSPOSED_LOOP)
     assert code, f"{TRANSPOSED_LOOP}...) is not a function of its own in the build (inlined?)"
     through_stack = [t for t in code if "%zmm" in t and ("(%rsp)" in t or "(%rbp)" in t)]
     assert not through_stack, "vectors through the stack:\n" + "\n".join(through_stack)
@@ -145,7 +145,7 @@ def loops_of(code: list[str]) -> list[list[str]]:
 
 @pytest.mark.parametrize("rows", sorted(VALUE_LOOPS))
 @pytest.mark.parametrize("tuning", ["native", "zen"])
-def test_value_loop_keeps_its_operands_in_registers(program, folding_program, tuning, rows):
+def test_value_loop_keeps_its_operands_in_registers(tuned, tuning, rows):
     """weigh_keys<F32, rows, 4, false>, the prefill's value loop (its V rows sit in scratch;
     6 rows where they see the same keys, 24 accumulators, 4 V vectors and a broadcast in
     29 of the 32 registers), asks for nothing, and every loop over the keys of 4 x rows
@@ -158,7 +158,7 @@ def test_value_loop_keeps_its_operands_in_registers(program, folding_program, tu
     load to the last store: with its loops over them not unrolled, GCC set them up and
     stored them through the stack (16 stores and 16 loads a call of 256 multiply-adds;
     AMD, one thread: 2.0-2.5 against 2.6-3.1 GFMA/s)."""
-    exe = program if tuning == "native" else folding_program
+    exe = tuned
     loop = VALUE_LOOPS[rows]
     code = score_loop_code(exe, loop=loop)
     assert code, f"{loop}...) is not a function of its own in the build (inlined?)"
@@ -200,14 +200,21 @@ def folding_program(tmp_path_factory, program):
     return build(tmp_path_factory, "fma_loops_zen", FOLDING_TUNE)
 
 
+@pytest.fixture
+def tuned(request, tuning):
+    """The program of a test's tuning. The Zen-tuned one is built only when a test of that
+    tuning runs: a mutant's killer, the native case alone, compiles one program, not two."""
+    return request.getfixturevalue("program" if tuning == "native" else "folding_program")
+
+
 @pytest.mark.parametrize("tuning", ["native", "zen"])
-def test_score_loop_loads_each_vector_once(program, folding_program, tuning):
+def test_score_loop_loads_each_vector_once(tuned, tuning):
     """Every multiply-add of the score loop takes its K and query vectors from registers:
     each is loaded once per d step (4 + 4 loads per 16 FMAs), not once per FMA (20), and
     the loop is a function of its own, as the kernel calls it (inlined into attend_chunk,
     its 29 live vectors spilled). Under the native tuning and under Zen's: on the Intel
     machine the native one never folds, with the barrier or without."""
-    code = score_loop_code(program if tuning == "native" else folding_program)
+    code = score_loop_code(tuned)
     assert code, f"{SCORE_LOOP.format('F32')}...) is not a function of its own in the build (inlined?)"
     fmas = [line for line in code if re.search(r"\bvfmadd\d+ps\b", line)]
     assert len(fmas) >= 16, "\n".join(code)
