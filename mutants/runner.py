@@ -52,9 +52,10 @@ BITS_CHECK = ["tests/test_golden_bits.py"]
 # at -Og: 233 s without the cache, 214 s with it). The keys hash the files' contents and
 # the whole command line, so a hit is the object the compiler would give; the mtime
 # checks are relaxed because the runner itself rewrites a source just before each build.
-# The builds precompile the standard headers (CMakeLists.txt PAGECHECK_PCH), which ccache
-# caches through only with pch_defines and time_macros relaxed (its manual: the header's
-# macros are in the .gch it hashes, and none of our sources reads __TIME__ or __DATE__).
+# The builds precompile the standard headers (CMakeLists.txt PAGECHECK_PCH), and ccache caches
+# a compile that includes a precompiled header only with pch_defines and time_macros relaxed:
+# through one it cannot see __TIME__ / __DATE__ nor a source's #defines (its manual). None of
+# our sources reads the time macros, and the header's list of standard headers is fixed.
 CCACHE_ENV = {"CCACHE_NOHASHDIR": "1", "CCACHE_MAXSIZE": "4G",
               "CCACHE_SLOPPINESS": "include_file_mtime,include_file_ctime,pch_defines,time_macros"}
 
