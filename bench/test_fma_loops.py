@@ -154,13 +154,13 @@ def test_value_loop_keeps_its_operands_in_registers(tuned, tuning, rows):
     asks. With the test of `next` inside one loop, GCC reloaded the key count from the
     stack and moved a row pointer out of a vector register every key, and the prefill's
     value loop ran behind its score loop (README "The f32 prefill on the Intel machine");
-    two loops in one function were merged back into that one under Zen's tuning. Its accumulators stay in registers from the first
-    load to the last store: with its loops over them not unrolled, GCC set them up and
-    stored them through the stack (16 stores and 16 loads a call of 256 multiply-adds;
-    AMD, one thread: 2.0-2.5 against 2.6-3.1 GFMA/s)."""
-    exe = tuned
+    two loops in one function were merged back into that one under Zen's tuning. Its
+    accumulators stay in registers from the first load to the last store: with its loops
+    over them not unrolled, GCC set them up and stored them through the stack (16 stores
+    and 16 loads a call of 256 multiply-adds; AMD, one thread: 2.0-2.5 against 2.6-3.1
+    GFMA/s)."""
     loop = VALUE_LOOPS[rows]
-    code = score_loop_code(exe, loop=loop)
+    code = score_loop_code(tuned, loop=loop)
     assert code, f"{loop}...) is not a function of its own in the build (inlined?)"
     assert not any("prefetch" in t for t in code), "the value loop without asks asks:\n" + "\n".join(code)
     # The loop over the keys: the shortest with 4 x rows multiply-adds (a backward jump
@@ -173,7 +173,7 @@ def test_value_loop_keeps_its_operands_in_registers(tuned, tuning, rows):
     assert not spills, "the value loop without asks spills:\n" + "\n".join(key_loop)
     through_stack = [t for t in code if "%zmm" in t and ("(%rsp)" in t or "(%rbp)" in t)]
     assert not through_stack, "accumulators through the stack:\n" + "\n".join(through_stack)
-    asking = score_loop_code(exe, loop=ASKING_VALUE_LOOP)
+    asking = score_loop_code(tuned, loop=ASKING_VALUE_LOOP)
     assert any("prefetch" in t for t in asking), f"{ASKING_VALUE_LOOP}...) asks for nothing"
 
 

@@ -3,14 +3,13 @@ once in its file, ids are unique, and a mutant that needs AMX tiles says so."""
 
 import fnmatch
 import re
-import shutil
 import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from fixtures.compile_commands import command_of, last_level
+from fixtures.compile_commands import command_of, exported, last_level
 from mutants.catalog import load, problems
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -223,11 +222,9 @@ def test_mutant_builds_precompile_the_standard_headers(tmp_path, monkeypatch):
     intrinsics headers precompiled (the real configure step, its compile commands read):
     every kernel file includes the precompiled header, which holds <immintrin.h> and the
     containers (6.0 -> 4.2 s to rebuild blocks.h's dependents on one core)."""
-    if shutil.which("cmake") is None:
-        pytest.skip("no cmake here")
+    exported(monkeypatch)
     from mutants import runner
 
-    monkeypatch.setenv("CMAKE_EXPORT_COMPILE_COMMANDS", "ON")
     sources = ["CMakeLists.txt", *(f"impl/csrc/{p.name}" for p in (runner.ROOT / "impl/csrc").iterdir() if p.is_file())]
     worker = runner.Worker(0, tmp_path, sources)
     subprocess.run(worker.configure_command(), check=True, capture_output=True)

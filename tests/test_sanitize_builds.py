@@ -6,12 +6,11 @@ directory, its compile commands read: about a second, nothing compiled).
 | the sanitizers build at the kernels' -O3 (ASan's decode.cpp: 103 s, not 25) | test_sanitized_builds_compile_at_o1 |
 """
 
-import shutil
 import subprocess
 
 import pytest
 
-from fixtures.compile_commands import command_of, last_level
+from fixtures.compile_commands import command_of, exported, last_level
 
 
 @pytest.mark.parametrize("kind, target", [("address", "_kernels"), ("thread", "thread_driver")])
@@ -20,11 +19,9 @@ def test_sanitized_builds_compile_at_o1(tmp_path, monkeypatch, kind, target):
     sanitizers' manuals advise, with -g for the reports' lines: every access is still
     instrumented (the kernels' vectors are intrinsics), and the CI's sanitizer step took
     120 s instead of 224 (AMD Zen 5)."""
-    if shutil.which("cmake") is None:
-        pytest.skip("no cmake here")
+    exported(monkeypatch)
     from sanitize import run
 
-    monkeypatch.setenv("CMAKE_EXPORT_COMPILE_COMMANDS", "ON")  # CMake's default for the option
     monkeypatch.setattr(run, "_run", lambda cmd, **kwargs: subprocess.run(cmd, check=True, capture_output=True))
     run.configure(tmp_path, kind, tests=kind == "thread")
     command = command_of(tmp_path, "impl/csrc/decode.cpp", target)

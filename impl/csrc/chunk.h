@@ -323,15 +323,16 @@ void weigh_in_spans(const Problem& pr, const typename E::T* vpool, const int64_t
 }
 
 // Attention of `rows` query rows over the keys of one chunk, for `heads` consecutive KV
-// heads: rows [h * rows / heads, (h + 1) * rows / heads) read KV head h (counted from
-// the head `off` points at), query head by query head, the same positions for each, in
+// heads: rows [h * rows / heads, (h + 1) * rows / heads) read KV head h (counted from the
+// head `off` points at), query head by query head, the same positions for each, in
 // ascending order (weigh_in_groups takes them position by position). clo/chi: each row's
-// visible keys clipped to the chunk (clo >= chi: none); [jlo, jhi): their union; off, voff: the K and V row offsets of
-// keys jlo .. jhi-1 of the first head. In logit mode the scores become logits
-// (to_logits, reading s.heads and s.pos). Writes each row's chunk state: ml[2r] = m,
-// ml[2r+1] = l (0 when the row sees no key here), o[r*Dv ...]. K/V come in blocks of up
-// to 16 keys (for_blocks) so a block is loaded (and widened) once for all rows of the
-// GQA group, and each block asks for the next one while it computes (for_blocks_ahead).
+// visible keys clipped to the chunk (clo >= chi: none); [jlo, jhi): their union; off,
+// voff: the K and V row offsets of keys jlo .. jhi-1 of the first head. In logit mode the
+// scores become logits (to_logits, reading s.heads and s.pos). Writes each row's chunk
+// state: ml[2r] = m, ml[2r+1] = l (0 when the row sees no key here), o[r*Dv ...]. K/V
+// come in blocks of up to 16 keys (for_blocks) so a block is loaded (and widened) once
+// for all rows of the GQA group, and each block asks for the next one while it computes
+// (for_blocks_ahead).
 // The values: span by span (weigh_in_spans, in place); values_by_group: group by group
 // over the whole chunk instead (weigh_by_group, widened once where a half type; for
 // callers with many rows per head whose K/V stay in cache: the prefill).
