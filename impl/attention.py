@@ -34,12 +34,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pagecheck_kernels as _kernels
 
-from .checked import checked_call, checked_contract_call
+from .checked import checked_call, checked_contract_call, kernel_options
 from .runtime import KERNEL_STREAM
-from .validation import KernelOptions, PagedMetadata, check_metadata_dtype, check_metadata_values
-
-# kv_dtype -> the kernel's element code (paged_attention.h KvCode)
-KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
+from .validation import PagedMetadata, check_metadata_dtype, check_metadata_values
 
 
 def _lazy(*args):
@@ -47,19 +44,18 @@ def _lazy(*args):
     return _kernels.paged_attention(*args, stream=KERNEL_STREAM)
 
 
-def _now(*args):
-    """The kernel run now in the calling thread; its outputs come back evaluated."""
-    return _kernels.paged_attention_now(*args)
+# The kernel run now in the calling thread; its outputs come back evaluated. Bound here,
+# not wrapped in a function: each Python frame on the way is ~0.1 us of a small decode.
+_now = _kernels.paged_attention_now
 
 
-def _run(query, key_pages, value_pages, block_table, context_lens, page_size: int, opts: KernelOptions,
-         packed: bool = False, entry=_lazy):
-    out, lse = entry(query, key_pages, value_pages, block_table, context_lens, page_size, opts.scale, opts.causal,
-                     opts.window, opts.softcap, opts.alibi_slopes, opts.sinks, KV_CODES[opts.kv_dtype], opts.k_scale,
-                     opts.v_scale, packed)
+def _run(query, key_pages, value_pages, block_table, context_lens, page_size: int, args: tuple, return_lse: bool,
+         entry=_lazy):
+    """`entry` on the call's arrays and `args`, the kernel options (checked.kernel_options)."""
+    out, lse = entry(query, key_pages, value_pages, block_table, context_lens, page_size, *args)
     # The kernel always writes the lse beside the output (the same merge makes both);
     # a caller that did not ask gets the output alone, as in the first contract.
-    return (out, lse) if opts.return_lse else out
+    return (out, lse) if return_lse else out
 
 
 def paged_attention(query, key_pages, value_pages, block_table, context_lens, page_size, *,
@@ -84,7 +80,8 @@ def paged_attention(query, key_pages, value_pages, block_table, context_lens, pa
     lens = check_metadata_dtype("context_lens", context_lens)
     check_metadata_values(table, lens, page_size=geom.page_size, num_pages=geom.num_pages,
                           query_len=geom.query_len)
-    return _run(query, key_pages, value_pages, table, lens, geom.page_size, opts)
+    return _run(query, key_pages, value_pages, table, lens, geom.page_size, kernel_options(opts, False),
+                opts.return_lse)
 
 
 def paged_attention_with_metadata(query, key_pages, value_pages, metadata: PagedMetadata, *,
@@ -126,4 +123,4 @@ def _serving_call(query, key_pages, value_pages, metadata: PagedMetadata, option
     checks remembered from an earlier call of the same signature (impl/checked.py)."""
     checked = checked_call(query, key_pages, value_pages, metadata, options)
     return _run(query, key_pages, value_pages, metadata.block_table, metadata.context_lens, metadata.page_size,
-                checked.opts, checked.packed, entry)
+                checked.args, checked.opts.return_lse, entry)

@@ -27,17 +27,19 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import mlx.core as mx
+import pagecheck_kernels as _kernels
 
 from contract import ScorePipeline
 from contract.pipeline import OPTIONS
 
 from .validation import Geometry, KernelOptions, PagedMetadata, check_arrays, check_kv_layout, check_pipeline
 
+# kv_dtype -> the kernel's element code (paged_attention.h KvCode)
+KV_CODES = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2, "int8": 3}
 # KernelOptions fields that hold the caller's own arrays (check_pipeline returns an
 # mx.array option as given).
 ARRAY_OPTIONS = ("alibi_slopes", "sinks", "k_scale", "v_scale")
 _ARRAY_SLOTS = tuple(OPTIONS.index(name) for name in ARRAY_OPTIONS)  # their places in a call's options
-_PLAIN = frozenset({type(None), bool, int, float, str})  # option types compared by value
 MEMO_LIMIT = 32  # signatures per metadata: a step's calls have a few (one per layer kind)
 # Signatures the contract entry point remembers, process-wide (it has no metadata object to
 # hold them): its block table's shape moves with the batch and the pages, so the oldest
@@ -46,12 +48,25 @@ CONTRACT_LIMIT = 64
 _contract_memo: dict = {}
 
 
+def kernel_options(opts: KernelOptions, packed: bool) -> tuple:
+    """The kernel entries' arguments after the pool and its metadata, in their order."""
+    return (opts.scale, opts.causal, opts.window, opts.softcap, opts.alibi_slopes, opts.sinks, KV_CODES[opts.kv_dtype],
+            opts.k_scale, opts.v_scale, packed)
+
+
 class Checked(NamedTuple):
-    """What the checks of a call give the kernel call."""
+    """What the checks of a call give the kernel call: `args`, its arguments after the
+    pool and the metadata (kernel_options), made once per remembered signature rather
+    than from `opts` on every call (0.3 us of a small decode)."""
 
     opts: KernelOptions
     packed: bool
     arrays: tuple = ()  # (KernelOptions field, place in the options) of each option given as an mx.array
+    args: tuple = ()
+
+    @classmethod
+    def of(cls, opts: KernelOptions, packed: bool, arrays: tuple = ()) -> Checked:
+        return cls(opts, packed, arrays, kernel_options(opts, packed))
 
     def with_arrays(self, options: tuple, keep: bool = True) -> Checked:
         """The same checked call reading the array options of `options` (a call of the same
@@ -62,24 +77,21 @@ class Checked(NamedTuple):
         (most calls: 0.9 -> 0.05 us)."""
         if not self.arrays:
             return self
-        return self._replace(opts=self.opts._replace(**{name: options[i] if keep else None
-                                                        for name, i in self.arrays}))
+        return Checked.of(self.opts._replace(**{name: options[i] if keep else None for name, i in self.arrays}),
+                          self.packed, self.arrays)
 
 
-def signature(query, key_pages, value_pages, options: tuple) -> tuple | None:
-    """Everything the checks read of a call as a hashable key; None where no key states
-    it exactly. `options`: ScorePipeline's fields in order, then kv_layout."""
-    if type(query) is not mx.array or type(key_pages) is not mx.array or type(value_pages) is not mx.array:
-        return None
-    types = tuple(map(type, options))  # True, 1 and 1.0 are equal keys, and checked apart
-    if types[0] is float and options[0] == 0.0:
-        return None
-    if not _PLAIN.issuperset(types):
-        if any(t is not mx.array and t not in _PLAIN for t in types):
-            return None
-        options = tuple((x.shape, x.dtype) if t is mx.array else x for x, t in zip(options, types))
-    return (query.shape, query.dtype, key_pages.shape, key_pages.dtype, value_pages.shape, value_pages.dtype,
-            options, types)
+# signature(query, key_pages, value_pages, options) -> tuple | None: everything the checks
+# read of a call as one hashable key, None where no key states it exactly. `options`:
+# ScorePipeline's fields in order, then kv_layout. Built in C++ (impl/csrc/call_key.h):
+# the three arrays' shapes and dtypes and every option's type in one bytes object, then
+# each option by value (an mx.array option by its shape and dtype in the bytes, never its
+# values); True, 1 and 1.0 are equal values told apart by their types; None for a scale
+# of 0.0 (0.0 == -0.0), for an array argument that is not exactly an mx.array and for an
+# option of any type but None, bool, int, float, str and mx.array. The same key in Python
+# (tuples of shapes, dtypes and types) took 0.7 us of a 12 us B 1, S 128 decode, and its
+# hash in the memo's look-up 0.2 more; this one 0.1 and 0.13 (AMD Zen 5).
+signature = _kernels.call_key
 
 
 def check_call(query, key_pages, value_pages, metadata: PagedMetadata, options: tuple) -> Checked:
@@ -90,7 +102,7 @@ def check_call(query, key_pages, value_pages, metadata: PagedMetadata, options: 
                         metadata.page_size, pipeline.kv_dtype)
     opts = check_pipeline(geom, pipeline)
     arrays = tuple((name, i) for name, i in zip(ARRAY_OPTIONS, _ARRAY_SLOTS) if type(options[i]) is mx.array)
-    checked = Checked(opts, check_kv_layout(geom, options[-1], query.dtype, opts.kv_dtype), arrays)
+    checked = Checked.of(opts, check_kv_layout(geom, options[-1], query.dtype, opts.kv_dtype), arrays)
     metadata.check_matches(geom)
     return checked
 
@@ -139,5 +151,5 @@ def checked_contract_call(query, key_pages, value_pages, block_table, context_le
         arrays = tuple((name, i) for name, i in zip(ARRAY_OPTIONS, _ARRAY_SLOTS) if type(options[i]) is mx.array)
         if len(_contract_memo) >= CONTRACT_LIMIT:
             _contract_memo.pop(next(iter(_contract_memo), None), None)
-        _contract_memo[key] = (geom, Checked(opts, False, arrays).with_arrays(options, keep=False))
+        _contract_memo[key] = (geom, Checked.of(opts, False, arrays).with_arrays(options, keep=False))
     return geom, opts

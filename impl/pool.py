@@ -60,7 +60,7 @@ import pagecheck_kernels as _kernels
 from contract import GRANULARITIES, KV_DTYPES, storage_dtype
 
 from .allocator import PageAllocator, PoolStats
-from .attention import KV_CODES
+from .checked import KV_CODES
 from .errors import ServingError
 from .runtime import KERNEL_STREAM
 from .validation import PACKED_MULTIPLE, _dtype_name

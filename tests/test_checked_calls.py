@@ -194,6 +194,19 @@ def test_signature_states_what_the_checks_read():
         arrays[1 + i] = np.array(arrays[1 + i])
         assert checked.signature(*arrays, tuple(options.values())) is None
     assert key(scale=0.5) is not None and key(scale=0.5) != key(scale=0.25)
+    # Each array's shape and dtype: a page fewer, other pool dtypes, another query length.
+    assert len({checked.signature(query, *(x[:-1] for x in pools), tuple(options.values())),
+                checked.signature(query, *(x.astype(mx.float16) for x in pools), tuple(options.values())),
+                checked.signature(query, pools[0], pools[1][:-1], tuple(options.values())),
+                key(q=mx.concatenate([query, query], axis=2)), key()}) == 5
+    # An array option's dims are keyed with their count: no two of these shapes share a key.
+    shapes = [(4,), (1, 4), (4, 1), (2, 2), (2, 2, 1), (16,)]
+    assert len({key(sinks=mx.zeros(s)) for s in shapes}) == len(shapes)
+    # Two calls whose arrays' dims and dtypes would run together into the same words
+    # without the dim counts (float32 is dtype 10 in MLX, int8 5, an array option type 5).
+    assert (key(alibi_slopes=mx.zeros((4,)), sinks=mx.zeros((5, 4)))
+            != key(alibi_slopes=mx.zeros((4, 10), mx.int8), sinks=mx.zeros((4,))))
+    assert checked.signature(query, *pools, list(options.values())) is None  # options come as a tuple
 
 
 def test_memo_is_bounded():
@@ -324,7 +337,8 @@ def test_contract_memo_drops_the_oldest():
     checked._contract_memo.clear()
     scales = [0.1 + i / 64 for i in range(checked.CONTRACT_LIMIT + 8)]
     outs = {scale: result_bits(_contract(query, *pools, meta, **{**kwargs, "scale": scale})) for scale in scales}
-    remembered = {key[0][6][0] for key in checked._contract_memo}  # each key's scale
+    # each key's scale: a signature holds the options' values after its bytes of shapes and types
+    remembered = {key[0][1 + checked.OPTIONS.index("scale")] for key in checked._contract_memo}
     assert remembered == set(scales[-checked.CONTRACT_LIMIT:])
     for scale, bits in outs.items():  # remembered or not, each call gives its own result
         assert result_bits(_contract(query, *pools, meta, **{**kwargs, "scale": scale})) == bits

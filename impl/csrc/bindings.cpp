@@ -6,6 +6,7 @@
 
 #include "fma_peak.h"
 #include "aligned_array.h"
+#include "call_key.h"
 #include "huge_pages.h"
 #include "kernel_info.h"
 #include "metadata_check.h"
@@ -57,6 +58,8 @@ NB_MODULE(_kernels, m) {
                 nb::call_guard<nb::gil_scoped_release>(),
                 "Unvalidated entry point computing (output, lse) now, in the calling thread, returned evaluated; "
                 "call impl.paged_attention_now instead.");
+  m.def("call_key", &pagecheck::call_key, "query"_a, "key_pages"_a, "value_pages"_a, "options"_a,
+        "The memo key of a serving call's checks (impl/checked.py signature), or None.");
   m.def(
       "check_metadata",
       [](const mlx::core::array& block_table, const mlx::core::array& context_lens, int64_t page_size,
