@@ -43,7 +43,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from .runner import ROOT, _tracked_files
+from .runner import ROOT, _tracked_files, verdict_env
 
 EQUIVALENTS = Path(__file__).with_name("mutmut_equivalent.toml")
 THRESHOLD = 0.90
@@ -100,8 +100,8 @@ def narrow_tests(tree: Path, tests: list[str]) -> None:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYPOTHESIS_PROFILE")}
-    env.update(PAGECHECK_NUM_THREADS="1", HYPOTHESIS_PROFILE="ci")
+    env = verdict_env(PAGECHECK_NUM_THREADS="1", HYPOTHESIS_PROFILE="ci")
+    env.pop("PYTHONPATH", None)
     return env
 
 

@@ -2,6 +2,7 @@
 once in its file, ids are unique, and a mutant that needs AMX tiles says so."""
 
 import fnmatch
+import os
 import re
 import subprocess
 import tomllib
@@ -175,6 +176,29 @@ def test_mutant_builds_compile_through_one_cache_per_run(tmp_path, monkeypatch, 
         assert env["CCACHE_NOHASHDIR"] == "1"
         # the builds precompile the standard headers: ccache caches no such compile without these
         assert {"pch_defines", "time_macros"} <= set(env["CCACHE_SLOPPINESS"].split(","))
+
+
+def test_mutant_test_runs_are_not_taken_for_a_ci_run(tmp_path, monkeypatch):
+    """Where CI (or BUILD_NUMBER) is set, pytest explains a failed `==` of sequences with a
+    full diff, quadratic over a kernel call's output bytes: a mutant's failing check took
+    over 300 s (the runner's time-out) instead of a second. The runner's and the mutmut
+    run's test runs get the environment without them, and nothing else changed."""
+    from mutants import mutmut_run, runner
+
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.setenv("BUILD_NUMBER", "7")
+    worker = runner.Worker(0, tmp_path, [])
+    worker.dir.mkdir()
+    (worker.dir / "test_env.py").write_text("import os\n\ndef test_not_ci():\n"
+                                            "    assert os.environ.get('CI') is None, os.environ['CI']\n"
+                                            "    assert os.environ.get('BUILD_NUMBER') is None\n")
+    env = worker._env(None)
+    assert worker._pytest(["test_env.py"], env) is None  # a real run in the worker's tree
+    rest = {k: v for k, v in os.environ.items() if k not in ("CI", "BUILD_NUMBER")}
+    assert env == {**rest, "PAGECHECK_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
+                   "PYTHONPATH": str(worker.dir)}
+    without_path = {k: v for k, v in rest.items() if k != "PYTHONPATH"}
+    assert mutmut_run._env() == {**without_path, "PAGECHECK_NUM_THREADS": "1", "HYPOTHESIS_PROFILE": "ci"}
 
 
 @pytest.mark.parametrize("pristine_bits", ["pinned", "differ"])
