@@ -195,10 +195,48 @@ def test_mutant_test_runs_are_not_taken_for_a_ci_run(tmp_path, monkeypatch):
     env = worker._env(None)
     assert worker._pytest(["test_env.py"], env) is None  # a real run in the worker's tree
     rest = {k: v for k, v in os.environ.items() if k not in ("CI", "BUILD_NUMBER")}
-    assert env == {**rest, "PAGECHECK_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
-                   "PYTHONPATH": str(worker.dir)}
+    runs = {k: v for k, v in rest.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    assert env == {**runs, "PAGECHECK_NUM_THREADS": "1", "PYTHONPATH": str(worker.dir)}
     without_path = {k: v for k, v in rest.items() if k != "PYTHONPATH"}
     assert mutmut_run._env() == {**without_path, "PAGECHECK_NUM_THREADS": "1", "HYPOTHESIS_PROFILE": "ci"}
+
+
+def test_mutant_runs_cache_bytecode_yet_never_import_a_stale_one(tmp_path, monkeypatch):
+    """The worker's test runs cache their bytecode (a run no longer recompiles the conftest's
+    plugins: ~0.6 s a mutant) beside the scratch tree's sources, even where the caller sets
+    PYTHONDONTWRITEBYTECODE or PYTHONPYCACHEPREFIX, and never
+    import a stale .pyc: Python takes one for current when the source's mtime in whole
+    seconds and its size match, and a mutant of the same size applied to a module run in the
+    same second, or restored in the second it ran, would be imported in its place. Here
+    every write of the worker lands on one mtime, as in that second."""
+    from mutants import runner
+    from mutants.catalog import Mutant
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "elsewhere"))
+    write = Path.write_text
+
+    def in_one_second(self, text, *args, **kwargs):
+        written = write(self, text, *args, **kwargs)
+        os.utime(self, (1_700_000_000, 1_700_000_000))
+        return written
+
+    monkeypatch.setattr(Path, "write_text", in_one_second)
+    worker = runner.Worker(0, tmp_path, [])
+    worker.dir.mkdir()
+    (worker.dir / "level.py").write_text("LEVEL = 1\n")
+    (worker.dir / "test_level.py").write_text("import level\n\ndef test_level():\n    assert level.LEVEL == 1\n")
+    mutant = Mutant(id="level-two", file="level.py", original="LEVEL = 1", replacement="LEVEL = 2",
+                    breaks="the level is two", killers=("test_level.py",), source="test")
+    env = worker._env(None)
+    assert worker._pytest(["test_level.py"], env) is None  # the pristine module, cached
+    assert worker.run(mutant) == {"id": "level-two", "status": "killed", "killed_by": "test_level.py::test_level",
+                                  "seconds": pytest.approx(0, abs=60), "file": "level.py",
+                                  "breaks": "the level is two"}
+    assert worker._pytest(["test_level.py"], env) is None  # restored: the pristine module again
+    cached = sorted(p.relative_to(worker.dir) for p in worker.dir.rglob("*.pyc"))
+    assert [(p.parent, p.name.split(".")[0]) for p in cached] == [(Path("__pycache__"), "level"),
+                                                                   (Path("__pycache__"), "test_level")]
 
 
 @pytest.mark.parametrize("pristine_bits", ["pinned", "differ"])
