@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.bits import Bits, explain
+
 from . import repro as _repro
 from . import report as _report
 from .clauses import describe
@@ -167,6 +169,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_assertrepr_compare(op, left, right):
+    # Two bits() values: where they differ, never pytest's quadratic diff of the bytes
+    # (fixtures/bits.py: 76 s for 16 KiB of a wrong output under CI or -v).
+    if op == "==" and isinstance(left, Bits) and isinstance(right, Bits):
+        return explain(left, right)
+    return None
+
+
 def pytest_runtest_setup(item):
     _repro.CALLS.clear()  # each check records its own calls
 

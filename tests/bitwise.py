@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from fixtures import bits
+from fixtures import Bits, bits
 
 
-def result_bits(result) -> tuple[bytes, ...]:
+def result_bits(result) -> tuple[Bits, ...]:
     """The raw bytes of a call's result: the output, or each array of (output, lse)."""
     return tuple(bits(x) for x in (result if isinstance(result, tuple) else (result,)))
 

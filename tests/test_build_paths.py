@@ -31,11 +31,11 @@ for dt in ["float32", "bfloat16", "float16"]:
         for D in [64, 128, 48]:
             c = paged_case(context_lens=[600, L, 0, 77], query_len=L, q_heads=8, kv_heads=2,
                            head_dim=D, page_size=16, dtype=dt, window=200 if L == 5 else None, seed=L * D)
-            h.update(bits(c.run(impl.paged_attention)))
+            h.update(bytes(bits(c.run(impl.paged_attention))))
 for dt in ["float32", "bfloat16"]:  # weights on both sides of exp2's edge within a vector of keys
     c = paged_case(context_lens=[300, 17], query_len=1, q_heads=4, kv_heads=2, head_dim=64, page_size=16,
                    dtype=dt, scale=30.0, seed=7)
-    h.update(bits(c.run(impl.paged_attention)))
+    h.update(bytes(bits(c.run(impl.paged_attention))))
 print(h.hexdigest())
 """
 

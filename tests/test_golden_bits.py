@@ -59,7 +59,7 @@ GOLDEN = {
 def digest(name: str) -> str:
     with tile_path(name.endswith("-tiles")):
         out = paged_case(**CASES[name], seed=2026).run(impl.paged_attention)
-    return hashlib.sha256(bits(out)).hexdigest()[:32]
+    return hashlib.sha256(bytes(bits(out))).hexdigest()[:32]
 
 
 @pytest.mark.skipif(not pagecheck_kernels.FUSED_MULTIPLY_ADD, reason="golden bits were recorded with FMA")
