@@ -177,6 +177,7 @@ def pytest_assertrepr_compare(op, left, right):
     return None
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     _repro.CALLS.clear()  # each check records its own calls
 

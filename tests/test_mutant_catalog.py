@@ -204,11 +204,11 @@ def test_mutant_test_runs_are_not_taken_for_a_ci_run(tmp_path, monkeypatch):
 def test_mutant_runs_cache_bytecode_yet_never_import_a_stale_one(tmp_path, monkeypatch):
     """The worker's test runs cache their bytecode (a run no longer recompiles the conftest's
     plugins: ~0.6 s a mutant) beside the scratch tree's sources, even where the caller sets
-    PYTHONDONTWRITEBYTECODE or PYTHONPYCACHEPREFIX, and never
-    import a stale .pyc: Python takes one for current when the source's mtime in whole
-    seconds and its size match, and a mutant of the same size applied to a module run in the
-    same second, or restored in the second it ran, would be imported in its place. Here
-    every write of the worker lands on one mtime, as in that second."""
+    PYTHONDONTWRITEBYTECODE or PYTHONPYCACHEPREFIX, and never import a stale .pyc: Python
+    takes one for current when the source's mtime in whole seconds and its size match, and
+    a mutant of the same size applied to a module run in the same second, or restored in
+    the second it ran, would be imported in its place. Here every write of the worker lands
+    on one mtime, as in that second."""
     from mutants import runner
     from mutants.catalog import Mutant
 
