@@ -1,5 +1,5 @@
 // The two loops of the bf16 decode on AMX tiles (impl/csrc/amx.cpp), alone, on one
-// thread: how fast can they read a pool from DRAM? bench/NOTES.md "bf16 decode on AMX" quotes
+// thread: how fast can they read a pool from DRAM? bench/notes/vllm-peer.md "bf16 decode on AMX" quotes
 // this (issue 22 point 3); bench/test_amx_loops.py builds and runs it.
 //
 //   g++ -O2 -march=native -I impl/csrc bench/amx_loops.cpp -o amx_loops

@@ -2,7 +2,7 @@
 // scores16_rows and weigh_rows as attend_chunk runs them for one KV head of a decode
 // (a GQA group of 4 query rows, D = 128), block by block over 16-key blocks of K/V rows,
 // on float32 rows and on bfloat16 rows (widened in registers as they are loaded).
-// bench/NOTES.md "The FMA path's two loops" quotes it; bench/test_fma_loops.py builds and runs it
+// bench/notes/vllm-peer.md "The FMA path's two loops" quotes it; bench/test_fma_loops.py builds and runs it
 // with the kernels' own flags (CMakeLists.txt) and checks the score loops' code.
 //
 //   g++ -O3 -march=native -mprefer-vector-width=512 -ffp-contract=off -fno-math-errno

@@ -1,4 +1,4 @@
-"""bench/amx_loops.cpp, the bf16 tile decode's two loops alone (bench/NOTES.md "bf16 decode on AMX"):
+"""bench/amx_loops.cpp, the bf16 tile decode's two loops alone (bench/notes/vllm-peer.md "bf16 decode on AMX"):
 it builds with the kernels' own tile header and reports every variant with a rate.
 Rates are the figures, not judged here (a shared machine); where the CPU or Linux gives no
 tile state the program says so and exits 2, and the run is skipped with that reason."""

@@ -1,4 +1,4 @@
-"""bench/fma_loops.cpp, the FMA path's two loops alone (bench/NOTES.md "The FMA path's two loops"),
+"""bench/fma_loops.cpp, the FMA path's two loops alone (bench/notes/vllm-peer.md "The FMA path's two loops"),
 on float32 and bfloat16 rows: built with the kernels' own flags, it reports every loop at
 every working set with a rate (the figures, not judged here: a shared machine), the float32
 score loop's machine code loads each K and query vector once per step, and the bfloat16
@@ -153,7 +153,7 @@ def test_value_loop_keeps_its_operands_in_registers(tuned, tuning, rows):
     register, under the native tuning and Zen's; its twin with asks (a decode's, 4 rows)
     asks. With the test of `next` inside one loop, GCC reloaded the key count from the
     stack and moved a row pointer out of a vector register every key, and the prefill's
-    value loop ran behind its score loop (bench/NOTES.md "The f32 prefill on the Intel machine");
+    value loop ran behind its score loop (bench/notes/status-log.md "The f32 prefill on the Intel machine");
     two loops in one function were merged back into that one under Zen's tuning. Its
     accumulators stay in registers from the first load to the last store: with its loops
     over them not unrolled, GCC set them up and stored them through the stack (16 stores

@@ -35,8 +35,8 @@ the pool's bits, not in attention outputs).
 head's `[page_size, head_dim]` slice holds its elements in the order the AMX tiles read
 them (conformance/formats/kv.py, impl/csrc/packed_layout.h), written so by every write;
 `paged_attention_with_metadata(..., **pool.kv_options(l))` reads it (the tile decode
-then takes K and V from the pool without packing them on every call: bench/NOTES.md, "bf16
-decode on AMX"). Page ids, slots, page copies and the allocator are unchanged; the
+then takes K and V from the pool without packing them on every call: bench/notes/vllm-peer.md,
+"bf16 decode on AMX"). Page ids, slots, page copies and the allocator are unchanged; the
 contract entry point `paged_attention` takes the row layout only.
 
 The capacity is fixed at construction (`num_pages` or `capacity_bytes`); nothing grows.

@@ -13,7 +13,7 @@
 //           o = TDPBF16PS over 32-key slabs at absolute positions, ascending
 //   merge, finish: numerics.h
 //
-// TDPBF16PS matches no sequence of float32 operations (bench/NOTES.md, "Where the time goes"),
+// TDPBF16PS matches no sequence of float32 operations (bench/notes/first-profile.md),
 // so the tile bits differ from the FMA bits and a plain build cannot reproduce them;
 // both are deterministic. A tile element (row, column) depends only on that row and
 // column, and the same products in the same order give the same bits whichever operand
