@@ -1,5 +1,5 @@
-// The two loops of the FMA path (impl/csrc/blocks.h), alone, on one thread:
-// scores16_rows and weigh_rows as attend_chunk runs them for one KV head of a decode
+// The two loops of the FMA path (impl/csrc/score_loops.h, value_loops.h), alone, on one
+// thread: scores16_rows and weigh_rows as attend_chunk runs them for one KV head of a decode
 // (a GQA group of 4 query rows, D = 128), block by block over 16-key blocks of K/V rows,
 // on float32 rows and on bfloat16 rows (widened in registers as they are loaded).
 // bench/notes/vllm-peer.md "The FMA path's two loops" quotes it; bench/test_fma_loops.py builds and runs it

@@ -40,7 +40,7 @@ LOOPS = ("scores", "transposed", "transposed32", "weigh", "weigh_scratch", "weig
 SIZES_KIB = ("32", "512")
 # GCC 12 folds the score loop's loads into its FMAs when it tunes for Zen (as -march=native
 # does on the AMD machine) and not when it tunes for Sapphire Rapids (the Intel machine), so
-# the loop is also compiled with this tuning: the register barrier (blocks.h in_register) is
+# the loop is also compiled with this tuning: the register barrier (lanes.h in_register) is
 # checked on every machine, not only where the native tuning happens to fold.
 FOLDING_TUNE = "-mtune=znver3"
 

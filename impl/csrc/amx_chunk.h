@@ -48,7 +48,7 @@ inline const uint16_t* key_row(const Chunk& c, const uint16_t* pool, const int64
 }
 
 // The item of the walk read after this one (head h, slab u), or none (h < 0): each
-// load of this item asks for the matching line of that one, as ask_next (blocks.h)
+// load of this item asks for the matching line of that one, as ask_next (lanes.h)
 // does (B 1 S 1024 decode in the C++ harness: 0.138 -> 0.134 ms).
 struct Ahead {
   int h = -1, u = 0;

@@ -186,7 +186,7 @@ inline float dot16(const float* q, const typename E::T* k, int D) {
 // the keys at positions == k (mod 16) in ascending order, then fold_lanes. Lanes follow
 // absolute positions, so every row that sees the same keys gets the same sum, however
 // its chunk was clipped. The AVX-512 build sums as it makes the weights instead
-// (blocks.h exp2_shifted, the same bits); this is the plain build's.
+// (exp2_lanes.h exp2_shifted, the same bits); this is the plain build's.
 inline float lane_sum(const float* p, int first, int n) {
   float acc[kLanes] = {};
   int i = 0;

@@ -1,4 +1,4 @@
-// Prefill K blocks transposed, and their scores with scores16_block's bits (blocks.h):
+// Prefill K blocks transposed, and their scores with scores16_block's bits (score_loops.h):
 // a block's 16 K rows become D vectors of 16 keys (lane = key), so the fold's tree of a
 // key's 16 partial sums becomes vertical adds instead of shuffles. transposed_walk.h's
 // score_transposed transposes blocks once where 64 or more rows of a head score them, in
