@@ -169,7 +169,7 @@ CAPABILITIES = dict(dtypes=["float32", "float16", "bfloat16"], softcap=True, ali
 
 def __getattr__(name):
     """`paged_attention`, built on first access: the bridge imports conformance and MLX,
-    which `attention` and `plan` do not need (gpu/h200.py runs them on a GPU image)."""
+    which `attention` and `plan` do not need (gpu/h200/ runs them on a GPU image)."""
     if name != "paged_attention":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from conformance.bridges import from_torch

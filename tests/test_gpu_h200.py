@@ -1,4 +1,4 @@
-"""gpu/h200.py and gpu/h200.sh without a GPU: the measurement run's whole code path on the CPU
+"""gpu/h200/ and gpu/h200.sh without a GPU: the measurement run's whole code path on the CPU
 (`python -m gpu.h200 --dry-run`: the Triton interpreter, tiny shapes), its compute-sanitizer
 case, the shell script's syntax, and its requirement lists against pyproject.toml."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch", reason="gpu/h200.py needs torch (the `bridges` extra)")
-pytest.importorskip("triton", reason="gpu/h200.py needs triton (its interpreter on the CPU)")
+pytest.importorskip("torch", reason="gpu/h200/ needs torch (the `bridges` extra)")
+pytest.importorskip("triton", reason="gpu/h200/ needs triton (its interpreter on the CPU)")
 
 ROOT = Path(__file__).resolve().parents[1]
 
