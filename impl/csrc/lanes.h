@@ -98,6 +98,13 @@ inline __m512 load16(const typename E::T* p) {
     return _mm512_mask_blend_ps(nan, x, _mm512_or_ps(sign, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000))));
   }
 }
+
+// Keeps v in a register from here on (an empty asm that "changes" it): GCC otherwise
+// folds a loaded vector into every multiply-add that uses it (vfmadd231ps with a memory
+// operand), so scores16_block issued 20 vector loads per 16 FMAs instead of 8 and the
+// loads, not the multiply-adds, bounded it. Changes no value.
+inline void in_register(__m512& v) { asm("" : "+v"(v)); }
+inline void in_register(__m512i& v) { asm("" : "+v"(v)); }
 #endif
 
 // Prefetch hint of ask_next and ask_rows: into L2 (prefetcht1), not L1. A decode from
@@ -130,14 +137,5 @@ inline void ask_rows(const T* pool, const int64_t* off, int n, int D) {
   for (int k = 0; k < n; ++k)
     for (int d = 0; d < D; d += kLineElems) __builtin_prefetch(pool + off[k] + d, 0, kPrefetchLocality);
 }
-
-#if defined(__AVX512F__)
-// Keeps v in a register from here on (an empty asm that "changes" it): GCC otherwise
-// folds a loaded vector into every multiply-add that uses it (vfmadd231ps with a memory
-// operand), so scores16_block issued 20 vector loads per 16 FMAs instead of 8 and the
-// loads, not the multiply-adds, bounded it. Changes no value.
-inline void in_register(__m512& v) { asm("" : "+v"(v)); }
-inline void in_register(__m512i& v) { asm("" : "+v"(v)); }
-#endif
 
 }  // namespace pagecheck

@@ -69,9 +69,7 @@ inline void weigh_rows_nr(const typename E::T* const* rows, const float* const* 
     }
   }
 }
-#endif
 
-#if defined(__AVX512F__)
 // NV registers of o (columns d0 .. d0 + 16 NV) stay in registers across the block.
 template <class E, int NV>
 inline void weigh_columns(const typename E::T* const* rows, const float* p, int n, float* o, int d0) {
