@@ -17,7 +17,7 @@ the same turns as the decode from DRAM and its read stream (bench/report.py:
 
 The twin's rate counts its call's fixed costs (the checks, the hand-off of the work
 items: 10-20 us of a 0.1-0.2 ms call), so it is a floor of the loops' own rate. Its
-calls stay within chunk.h's kCachedKvBytes, so they weigh a decode's values in 64 KiB
+calls stay within value_pass.h's kCachedKvBytes, so they weigh a decode's values in 64 KiB
 spans and, for bf16, without asking for the next V rows: the configuration the kernel
 runs from cache, not the one it runs from DRAM.
 """

@@ -13,7 +13,7 @@ compiles the debug variants (device asserts on), as a debug run would.
 | compiled            | the launches `gpu.paged.plan` builds for a set of calls (`CALLS`: 46 distinct launches after deduplication; `--quick`, the test's set: 33): decode (L=1 and L=8, GQA group 4) + merge, and prefill (L=512); float16, bfloat16, float32 queries; head dims 64, 128, 256 and Dk=192/Dv=128 (MLA-like); page size 16 (per-key page gather) and 128 (page tiles); score pipelines plain causal, sliding window, softcap+ALiBi+sinks+lse, no mask. Qwen3-4B heads: Hq 32, Hkv 8. Together they take every constexpr branch of gpu/kernels.py a GPU can reach (`DOT_F32` is the interpreter's alone: off on a GPU) |
 | how                 | `triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps, num_stages, debug))`; the signature, constexprs and divisibility attrs are the ones `JITFunction.run` derives from the same arguments (triton's own `native_specialize_impl`: ints equal to 1 become constexprs, 16-divisible pointers and ints get `tt.divisibility`), so each variant is the binary a call on an H200 would build |
 | recorded, per variant | kernel, description, registers per thread, spill stores / loads (bytes), stack frame and local bytes, shared memory (triton's metadata `shared`: the dynamic shared memory the launch asks for; cuobjdump's static SHARED apart: on sm_90 the 1 KiB reserved per block), num_warps, num_stages, the tile constexprs, compile seconds (`triton.compile`, cache bypassed) |
-| registers, spills   | `cuobjdump -res-usage` on triton's cubin (REG, STACK, LOCAL) and `ptxas -v --gpu-name=sm_90a -lineinfo` on its PTX (the flags triton uses) for the spill bytes, both triton's bundled tools |
+| registers, spills   | `cuobjdump -res-usage` on triton's cubin (REG, STACK, LOCAL) and `ptxas -v --gpu-name=sm_90a -lineinfo` on its PTX (the flags triton uses) for the spill bytes, both triton's bundled tools, their output read by gpu/ptxas.py |
 | failure (exit 1)    | a compile error; any spill (spilled registers go to local memory, off-chip: a kernel whose inner loop spills runs at a fraction of its speed; the fix is a smaller tile in `gpu.paged.Schedule`, found with `compile_all(calls, schedule=...)`); dynamic shared memory over Hopper's 227 KiB per block (the most a block can opt into, the reserved 1 KiB apart: the launch would fail with "out of resources"); registers over 255 |
 
 `--ptx-dir DIR` keeps each variant's `.ptx`, `.cubin`, `.ptxas.log` and `.json` (signature,
@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+
+from gpu.ptxas import parse_ptxas, parse_res_usage, tool
 
 ARCH = 90  # Hopper (H100/H200)
 GPU_NAME = "sm_90a"  # what triton's ptxas call targets for capability 90
@@ -166,55 +168,6 @@ def variant_key(launch) -> str:
                        sorted(str(k) for k in attrs), launch.num_warps, launch.num_stages], sort_keys=True)
 
 
-# --- the tools' output ------------------------------------------------------------------
-_FUNC = re.compile(r"(?:Compiling entry function|Function properties for)\s+'?([\w$.]+)'?")
-_FRAME = re.compile(r"(\d+)\s+bytes stack frame,\s*(\d+)\s+bytes spill stores,\s*(\d+)\s+bytes spill loads")
-_USED = re.compile(r"Used\s+(\d+)\s+registers")
-
-
-def parse_ptxas(log: str) -> dict:
-    """`ptxas -v` output -> {function: {registers, stack, spill_stores, spill_loads}} (the
-    keys it printed). A non-entry function ptxas kept (noinline) gets its own entry."""
-    funcs: dict = {}
-    cur = None
-    for line in log.splitlines():
-        m = _FUNC.search(line)
-        if m:
-            cur = funcs.setdefault(m.group(1), {})
-            continue
-        if cur is None:
-            continue
-        m = _FRAME.search(line)
-        if m:
-            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
-        m = _USED.search(line)
-        if m:
-            cur["registers"] = int(m.group(1))
-    return funcs
-
-
-_RES_FUNC = re.compile(r"^\s*Function\s+([\w$.]+)\s*:\s*$")
-_RES_PAIR = re.compile(r"([A-Z_]+(?:\[\d+\])?)\s*:\s*(\d+)")
-
-
-def parse_res_usage(text: str) -> dict:
-    """`cuobjdump -res-usage` output -> {function: {"REG": n, "STACK": n, "SHARED": n, "LOCAL": n, ...}}."""
-    funcs: dict = {}
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        m = _RES_FUNC.match(line)
-        if m:
-            body = lines[i + 1] if i + 1 < len(lines) else ""
-            funcs[m.group(1)] = {k: int(v) for k, v in _RES_PAIR.findall(body)}
-    return funcs
-
-
-def _tool(name: str) -> str:
-    from triton import knobs
-
-    return getattr(knobs.nvidia, name.replace("-", "_")).path
-
-
 # --- compiling --------------------------------------------------------------------------
 @dataclass
 class Row:
@@ -289,11 +242,11 @@ def compile_launch(launch, label: str, keep_dir: str | None = None, stem: str = 
             f.write(ptx)
         with open(base + ".cubin", "wb") as f:
             f.write(cubin)
-        res = subprocess.run([_tool("cuobjdump"), "-res-usage", base + ".cubin"], capture_output=True, text=True)
+        res = subprocess.run([tool("cuobjdump"), "-res-usage", base + ".cubin"], capture_output=True, text=True)
         usage = parse_res_usage(res.stdout).get(entry, {})
         # the flags of triton's own ptxas call (backends/nvidia/compiler.py make_cubin)
         fmad = [] if kernel.metadata.enable_fp_fusion else ["--fmad=false"]
-        pt = subprocess.run([_tool("ptxas"), "-lineinfo", *fmad, "-v", f"--gpu-name={GPU_NAME}", base + ".ptx",
+        pt = subprocess.run([tool("ptxas"), "-lineinfo", *fmad, "-v", f"--gpu-name={GPU_NAME}", base + ".ptx",
                              "-o", os.path.join(tmp, "ptxas.o")], capture_output=True, text=True)
         log = pt.stdout + pt.stderr
         info = parse_ptxas(log).get(entry, {})

@@ -13,8 +13,9 @@ Each `mutants/catalog/*.toml` file holds `[[mutant]]` entries:
 | `slow`        | optional: its killers include tests marked slow (else they are deselected) |
 | `needs`       | optional: `"amx"`, the code it breaks runs only on AMX tiles; `"triton"`, |
 |               | it breaks gpu/ (torch and triton needed); `"pair_dots"`, it runs only in a |
-|               | build with AVX512-BF16 (impl/csrc/pair_dots.h); where this machine lacks it the |
-|               | mutant is reported "not applicable", never counted                 |
+|               | build with AVX512-BF16 (impl/csrc/pair_dots.h); `"avx512"`, it is code |
+|               | of an `#if defined(__AVX512F__)` block (`pagecheck_kernels.AVX512`); where |
+|               | this machine lacks it the mutant is reported "not applicable", never counted |
 | `impl`        | optional: `MODULE:ATTR`, the implementation its killers and the     |
 |               | correctness suite check (`--impl`), e.g. `gpu.paged:paged_attention` |
 
@@ -24,13 +25,14 @@ catalog cannot silently rot as the code changes.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 CATALOG = Path(__file__).parent / "catalog"
 NATIVE = ("impl/csrc/", "CMakeLists.txt")
-NEEDS = (None, "amx", "triton", "pair_dots")
+NEEDS = (None, "amx", "triton", "pair_dots", "avx512")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,34 @@ class Mutant:
         return text.replace(self.original, self.replacement, 1)
 
 
+# An `#if` or `#elif` whose branch compiles only with AVX-512: defined(__AVX512F__) or
+# (__AVX512BW__), alone or in a conjunction (an `||` could let another build in).
+_AVX512_IF = re.compile(r"^\s*#\s*(el)?if\s+(?!.*\|\|).*defined\(__AVX512(F|BW)__\)")
+
+
+def avx512_only(text: str, snippet: str) -> bool:
+    """Whether `snippet` (its first place in `text`) is code only an AVX-512 build compiles:
+    in an `#if defined(__AVX512F__)` (or `#elif`) branch, or one nested in it, before its
+    next #elif, #else or #endif. A mutant of such code changes nothing elsewhere, so it `needs` avx512."""
+    at = text.find(snippet)
+    if at < 0:
+        return False
+    branches: list[bool] = []  # per open #if: whether its current branch is AVX-512 only
+    pos = 0
+    for line in text.splitlines(keepends=True):
+        if pos > at:
+            break
+        word = line.strip().split(None, 1)[0] if line.strip() else ""
+        if word in ("#if", "#ifdef", "#ifndef"):
+            branches.append(bool(_AVX512_IF.match(line)))
+        elif word in ("#elif", "#else") and branches:
+            branches[-1] = bool(_AVX512_IF.match(line))
+        elif word == "#endif" and branches:
+            branches.pop()
+        pos += len(line)
+    return any(branches)
+
+
 def load_file(path: Path) -> list[Mutant]:
     """The `[[mutant]]` entries of one catalog file (ids unique within it)."""
     mutants, seen = [], set()
@@ -64,7 +94,7 @@ def load_file(path: Path) -> list[Mutant]:
         if entry["id"] in seen:
             raise ValueError(f"{path.name}: mutant id {entry['id']} appears twice")
         if entry.get("needs") not in NEEDS:
-            raise ValueError(f"{path.name}: mutant {entry['id']} needs {entry['needs']!r}; known: amx, triton, pair_dots")
+            raise ValueError(f"{path.name}: mutant {entry['id']} needs {entry['needs']!r}; known: amx, triton, pair_dots, avx512")
         if entry["original"] == entry["replacement"]:
             raise ValueError(f"{path.name}: mutant {entry['id']} changes nothing")
         seen.add(entry["id"])

@@ -249,7 +249,7 @@ class Progress:
 
 
 WHY = {"amx": "no AMX tiles on this machine", "triton": "torch or triton is not installed",
-       "pair_dots": "this build has no AVX512-BF16"}
+       "pair_dots": "this build has no AVX512-BF16", "avx512": "this build has no AVX-512"}
 
 
 def lacking() -> dict[str, bool]:
@@ -257,6 +257,7 @@ def lacking() -> dict[str, bool]:
     import pagecheck_kernels
 
     return {"amx": not pagecheck_kernels.amx_supported(), "pair_dots": not pagecheck_kernels.pair_dots_supported(),
+            "avx512": not pagecheck_kernels.AVX512,
             "triton": not all(importlib.util.find_spec(p) for p in ("torch", "triton"))}
 
 

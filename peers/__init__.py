@@ -33,6 +33,30 @@ def need(module: str, why: str):
         raise ImportError(f"{why} needs {module!r} ({e}); {HINT}") from None
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The instruction-set flags Linux lists for the first CPU (empty where it lists none)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def need_isa(required: tuple[str, ...], why: str, flags: set[str] | None = None) -> None:
+    """ImportError naming the flags of `required` this CPU lacks, before a peer loads a
+    library built for them: such a library dies of SIGILL (the process, not an exception)
+    on its first instruction this CPU does not have, taking a whole benchmark or catalog
+    run with it."""
+    have = cpu_flags() if flags is None else flags
+    missing = [f for f in required if f not in have]
+    if missing:
+        raise ImportError(f"{why} needs a CPU with {', '.join(required)}; this one lacks {', '.join(missing)} "
+                          "(loading it would die of an illegal instruction)")
+
+
 def version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)

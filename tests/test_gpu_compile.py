@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("torch", reason="gpu/compile.py plans launches with torch tensors")
 pytest.importorskip("triton", reason="gpu/compile.py compiles with triton")
 
-from gpu.compile import MAX_SHARED, parse_ptxas, parse_res_usage  # noqa: E402
+from gpu.compile import MAX_SHARED  # noqa: E402
+from gpu.ptxas import parse_ptxas, parse_res_usage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"decode_split_kernel", "merge_kernel", "prefill_kernel"}

@@ -1,5 +1,5 @@
 """The seeded-mutant catalog stays applicable (mutants/catalog.py): every snippet occurs
-once in its file, ids are unique, and a mutant that needs AMX tiles says so."""
+once in its file, ids are unique, and a mutant that needs AMX tiles or AVX-512 says so."""
 
 import fnmatch
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.compile_commands import command_of, exported, last_level
-from mutants.catalog import load, problems
+from mutants.catalog import avx512_only, load, problems
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +35,62 @@ def test_tile_path_mutants_are_marked():
     a survivor)."""
     for m in load():
         assert (m.needs == "amx") == (m.file in TILE_CODE or m.id in TILE_ONLY), m.id
+
+
+def test_avx512_mutants_are_marked():
+    """A mutant of code only an AVX-512 build compiles (an `#if defined(__AVX512F__)`
+    branch) changes nothing in an AVX2 build, so it must carry needs = "avx512" (or the
+    tiles' or the pair dot product's, narrower still): else an AVX2-only machine (an AMD
+    EPYC Zen 3, 2026-12-07) reports it as a survivor. And a mutant that says so is such code."""
+    for m in load():
+        if not m.file.startswith("impl/csrc/"):
+            assert m.needs != "avx512", m.id
+            continue
+        only = avx512_only((ROOT / m.file).read_text(), m.original)
+        assert (m.needs in ("avx512", "amx", "pair_dots")) if only else (m.needs != "avx512"), m.id
+
+
+def test_avx512_only_reads_the_branches():
+    text = """a0
+#if defined(__AVX512F__)
+a1
+#if defined(__FMA__)
+a2
+#else
+a3
+#endif
+a4
+#else
+a5
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+a6
+#elif defined(__AVX512F__)
+a7
+#endif
+#if defined(__AVX512F__) || defined(__FMA__)
+a8
+#endif
+#ifndef __AVX512F__
+a9
+#endif
+"""
+    only = {f"a{i}" for i in range(10) if avx512_only(text, f"a{i}")}
+    assert only == {"a1", "a2", "a3", "a4", "a6", "a7"}
+    assert not avx512_only(text, "absent")
+
+
+def test_avx512_tells_the_build():
+    """pagecheck_kernels.AVX512: the build compiled its AVX-512 branches, as -march=native
+    does where this CPU has AVX-512F; the runner reports mutants that need it "not
+    applicable" where it is false."""
+    import pagecheck_kernels
+
+    from mutants.runner import lacking
+    from peers import cpu_flags
+
+    assert pagecheck_kernels.AVX512 is ("avx512f" in cpu_flags())
+    assert lacking()["avx512"] is (not pagecheck_kernels.AVX512)
 
 
 def test_unknown_needs_is_a_catalog_error(tmp_path):

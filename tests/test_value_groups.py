@@ -1,5 +1,5 @@
 """A prefill's value pass weighs the rows that see the same keys of a chunk in groups of
-kWeighRows = 6 (impl/csrc/chunk.h weigh_by_group, value_loops.h weigh_rows): a choice of speed
+kWeighRows = 6 (impl/csrc/value_pass.h weigh_by_group, value_loops.h weigh_rows): a choice of speed
 only (every output element still adds p_j v_j in ascending j, one fused multiply-add
 each), so the groups must really be of 6 where rows share their keys, and partial groups
 of 1-5 rows must weigh every row. pagecheck_kernels.wide_value_rows counts the rows

@@ -1,4 +1,4 @@
-"""A decode's value spans (impl/csrc/chunk.h value_span): the keys of a chunk each KV head
+"""A decode's value spans (impl/csrc/value_pass.h value_span): the keys of a chunk each KV head
 weighs in one pass, its outputs in registers across them. A call whose K/V fit well in
 the cache (at most 16 MiB) weighs 64 KiB of V rows at a time, a larger one 32 KiB (from
 memory, longer spans were slower). A choice of speed only: every output
@@ -28,7 +28,7 @@ from fixtures import bits, paged_case
 pytestmark = [pytest.mark.correctness, pytest.mark.builtin_only("the built-in kernel's decode value spans")]
 
 MIB = 1 << 20
-LIMIT = 16 * MIB  # chunk.h kCachedKvBytes
+LIMIT = 16 * MIB  # value_pass.h kCachedKvBytes
 CHUNK = 256
 
 

@@ -181,4 +181,5 @@ NB_MODULE(_kernels, m) {
   m.attr("LANES") = info.lanes;
   m.attr("DECODE_MAX_L") = info.decode_max_l;
   m.attr("FUSED_MULTIPLY_ADD") = info.fused_multiply_add;
+  m.attr("AVX512") = info.avx512;
 }

@@ -14,6 +14,8 @@ struct KernelInfo {
   int lanes;             // lanes of the score dot product (kLanes)
   int decode_max_l;      // longest query of the decode schedule (kernel.h kDecodeMaxL)
   bool fused_multiply_add;  // numerics.h fmadd rounds once
+  bool avx512;            // built with AVX-512F: the 16-lane loops run on zmm registers, not
+                          // their AVX2 / scalar twins (-march=native: where the CPU has it)
 };
 KernelInfo kernel_info();
 
@@ -68,11 +70,11 @@ std::vector<int> prefill_block_starts(int L);
 // the current worker count.
 int decode_heads_per_item(int64_t chunk_items, int Hkv, int64_t item_keys, int L);
 
-// Keys of a decode's value spans (chunk.h value_span) for V rows of `value_row_bytes`
+// Keys of a decode's value spans (value_pass.h value_span) for V rows of `value_row_bytes`
 // bytes in a call whose requests hold `kv_bytes` bytes of K and V.
 int decode_value_span(int64_t value_row_bytes, int64_t kv_bytes);
 
-// Whether a decode's value pass asks for the V rows it weighs next (chunk.h value_asks),
+// Whether a decode's value pass asks for the V rows it weighs next (value_pass.h value_asks),
 // for V elements of `element_bytes` (1, 2 or 4) in a call whose requests hold `kv_bytes`.
 bool decode_value_asks(int64_t element_bytes, int64_t kv_bytes);
 

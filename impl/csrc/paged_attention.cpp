@@ -118,7 +118,12 @@ KernelInfo kernel_info() {
 #else
   constexpr bool fused = false;
 #endif
-  return {kChunk, kLanes, kDecodeMaxL, fused};
+#if defined(__AVX512F__)
+  constexpr bool avx512 = true;
+#else
+  constexpr bool avx512 = false;
+#endif
+  return {kChunk, kLanes, kDecodeMaxL, fused, avx512};
 }
 
 namespace {

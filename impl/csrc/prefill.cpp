@@ -45,7 +45,7 @@ void count_wide_value_rows(int64_t rows) { wide_rows().fetch_add(rows, std::memo
 // A head's blocks last first: under a causal mask they see the most keys, and the items
 // are claimed in order, so a loop ends on short blocks rather than with one thread still
 // on a long one while the other waits (L = S = 512: the longest block is 8 of a head's 36
-// units of work). With the value steps (chunk.h weigh_in_groups), f32 L = S = 512 pages
+// units of work). With the value steps (value_pass.h weigh_in_groups), f32 L = S = 512 pages
 // of 128 on the AMD Zen 5, 200 calls a process in turns: 5.92-6.15 -> 5.70-5.77 ms median.
 std::vector<int> prefill_block_starts(int L) {
   if (L < 1) throw std::invalid_argument("prefill_block_starts: L must be at least 1, got " + std::to_string(L));
