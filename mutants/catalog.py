@@ -64,7 +64,8 @@ _AVX512_IF = re.compile(r"^\s*#\s*(el)?if\s+(?!.*\|\|).*defined\(__AVX512(F|BW)_
 def avx512_only(text: str, snippet: str) -> bool:
     """Whether `snippet` (its first place in `text`) is code only an AVX-512 build compiles:
     in an `#if defined(__AVX512F__)` (or `#elif`) branch, or one nested in it, before its
-    next #elif, #else or #endif. A mutant of such code changes nothing elsewhere, so it `needs` avx512."""
+    next #elif, #else or #endif. A mutant of such code changes nothing in another build, so
+    it `needs` avx512."""
     at = text.find(snippet)
     if at < 0:
         return False
