@@ -1,7 +1,12 @@
 """bench/amx_loops.cpp, the bf16 tile decode's two loops alone (bench/notes/vllm-peer.md "bf16 decode on AMX"):
 it builds with the kernels' own tile header and reports every variant with a rate.
 Rates are the figures, not judged here (a shared machine); where the CPU or Linux gives no
-tile state the program says so and exits 2, and the run is skipped with that reason."""
+tile state the program says so and exits 2, and the run is skipped with that reason.
+
+The tile walk's own code (impl/csrc/amx_walk.cpp), compiled as the kernels are but for
+Sapphire Rapids (so on any x86 machine, tiles or not): its asking loops ask and the others
+do not. GCC 12 once dropped every ask of the walk without a word (a call of `Ahead::ask` it
+judged free of side effects), and nothing else notices: the asks change no value."""
 
 import re
 import shutil
@@ -11,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import impl
+from bench.test_fma_loops import KERNEL_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("scores+gathers", "scores", "scores+transpose", "scores-pipelined", "pack", "scores+pack")
@@ -35,3 +41,37 @@ def test_every_variant_reports_a_rate(program):
     rates = dict(re.findall(r"^(\S+)\s+([0-9.]+) GB/s$", run.stdout, re.M))
     assert tuple(rates) == VARIANTS, run.stdout
     assert all(float(r) > 0 for r in rates.values()), run.stdout
+
+
+# The walk's loops, by whether they ask (amx_chunk.h: pack_keys, pack_values, key_scores<kAsks>).
+WALK_LOOPS = ("pack_keys", "pack_values", "key_scores")
+TILE_MARCH = "-march=sapphirerapids"  # AMX and AVX512-BF16: the tile path's code on any x86 build host
+
+
+def test_walk_asks_in_its_code(tmp_path):
+    if shutil.which("g++") is None or shutil.which("objdump") is None:
+        pytest.skip("no g++ and objdump to read the tile walk's code")
+    obj = tmp_path / "amx_walk.o"
+    flags = [f for f in KERNEL_FLAGS if not f.startswith("-march=")] + [TILE_MARCH]
+    build = subprocess.run(["g++", *flags, "-std=c++20", "-I", str(ROOT / "impl" / "csrc"), "-c",
+                            str(ROOT / "impl" / "csrc" / "amx_walk.cpp"), "-o", str(obj)], capture_output=True, text=True)
+    if build.returncode != 0 and "sapphirerapids" in build.stderr:
+        pytest.skip(f"this g++ does not know {TILE_MARCH}")
+    assert build.returncode == 0, build.stderr
+    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(obj)], capture_output=True, text=True,
+                             check=True).stdout
+    asks, name = {}, None
+    for line in listing.splitlines():
+        found = re.match(r"^[0-9a-f]+ <void pagecheck::tiles::(\w+)<(true|false)>\(", line)
+        if found:
+            name = found.groups()
+            asks[name] = 0
+        elif re.match(r"^[0-9a-f]+ <", line):
+            name = None
+        elif name is not None and re.search(r"\bprefetcht[012]\b", line):
+            asks[name] += 1
+    assert set(asks) == {(loop, kind) for loop in WALK_LOOPS for kind in ("true", "false")}, sorted(asks)
+    silent = [loop for loop in WALK_LOOPS if asks[(loop, "true")] == 0]
+    assert not silent, f"the asking walk's loops ask for nothing: {silent}"
+    asking = [loop for loop in WALK_LOOPS if asks[(loop, "false")] > 0]
+    assert not asking, f"the walk's loops without asks ask: {asking}"

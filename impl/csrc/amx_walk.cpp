@@ -13,6 +13,7 @@ namespace pagecheck::tiles {
 
 // K block blk of head h as S B tiles: tile s, row p, column k holds the d pair
 // (32 s + 2 p, 32 s + 2 p + 1) of key c0 + 16 blk + k: a 16 x 16 transpose of 32-bit pairs.
+template <bool kAsks>
 void pack_keys(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int blk, const Ahead& ahead) {
   const uint16_t* rows[kKeyTile];
   for (int k = 0; k < kKeyTile; ++k) rows[k] = key_row(c, kpool, off, h, c.c0 + blk * kKeyTile + k);
@@ -21,7 +22,7 @@ void pack_keys(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int b
     __m512i r[16];
     for (int k = 0; k < kKeyTile; ++k) {
       r[k] = _mm512_loadu_si512(rows[k] + 32 * st);
-      ahead.ask(c, kpool, off, (blk % 2) * kKeyTile + k, 32 * st);
+      if constexpr (kAsks) ahead.ask(c, kpool, off, (blk % 2) * kKeyTile + k, 32 * st);
     }
     transpose16(r);
     for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + st * kTileElems + p * 32, r[p]);
@@ -30,6 +31,7 @@ void pack_keys(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int b
 
 // V slab u of head h as DT B tiles: tile t, row i holds keys 2i and 2i + 1 of the slab
 // interleaved element by element over d = 16 t .. 16 t + 15.
+template <bool kAsks>
 void pack_values(Chunk& c, const uint16_t* vpool, const int64_t* off, int h, int u, const Ahead& ahead) {
   alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -43,8 +45,10 @@ void pack_values(Chunk& c, const uint16_t* vpool, const int64_t* off, int h, int
     const uint16_t* b = key_row(c, vpool, off, h, j + 1);
     for (int x = 0; x < c.pr.D / 32; ++x) {
       const __m512i va = _mm512_loadu_si512(a + 32 * x), vb = _mm512_loadu_si512(b + 32 * x);
-      ahead.ask(c, vpool, off, 2 * i, 32 * x);
-      ahead.ask(c, vpool, off, 2 * i + 1, 32 * x);
+      if constexpr (kAsks) {
+        ahead.ask(c, vpool, off, 2 * i, 32 * x);
+        ahead.ask(c, vpool, off, 2 * i + 1, 32 * x);
+      }
       _mm512_storeu_si512(dst + (2 * x) * kTileElems + i * 32, _mm512_permutex2var_epi16(va, lo, vb));
       _mm512_storeu_si512(dst + (2 * x + 1) * kTileElems + i * 32, _mm512_permutex2var_epi16(va, hi, vb));
     }
@@ -101,6 +105,7 @@ void place_units(Chunk& c, const uint16_t* kpool, const uint16_t* vpool, const i
 // of S^T takes the same products in the same order as (row, key) of S = Q K^T, and the
 // tiles give the same bits either way round (checked bit for bit: the decode and
 // prefill schedules agree, test_amx). Needs A and C tiles of 16 rows (task.reshape).
+template <bool kAsks>
 void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int u, const int* clo,
                 const int* chi, const Ahead& ahead) {
   const TilePair t = tile_pair(c, h, 0, clo, chi);  // the head's one row tile
@@ -123,8 +128,9 @@ void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int 
         std::memcpy(copy + k * c.pr.D, key_row(c, kpool, off, h, c.c0 + blk * kKeyTile + k), c.pr.D * sizeof(uint16_t));
       src[blk - blk0] = copy;
     }
-    for (int k = 0; k < kKeyTile; ++k)
-      for (int d = 0; d < c.pr.D; d += 32) ahead.ask(c, kpool, off, (blk % 2) * kKeyTile + k, d);
+    if constexpr (kAsks)
+      for (int k = 0; k < kKeyTile; ++k)
+        for (int d = 0; d < c.pr.D; d += 32) ahead.ask(c, kpool, off, (blk % 2) * kKeyTile + k, d);
   }
   float* tmp = c.s.tile_c.data();  // [2 blocks][16 keys][16 rows]
   float* const dst[2][2] = {{tmp, tmp}, {tmp + 256, tmp + 256}};
@@ -142,6 +148,13 @@ void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int 
     }
   }
 }
+
+template void pack_keys<true>(Chunk&, const uint16_t*, const int64_t*, int, int, const Ahead&);
+template void pack_keys<false>(Chunk&, const uint16_t*, const int64_t*, int, int, const Ahead&);
+template void pack_values<true>(Chunk&, const uint16_t*, const int64_t*, int, int, const Ahead&);
+template void pack_values<false>(Chunk&, const uint16_t*, const int64_t*, int, int, const Ahead&);
+template void key_scores<true>(Chunk&, const uint16_t*, const int64_t*, int, int, const int*, const int*, const Ahead&);
+template void key_scores<false>(Chunk&, const uint16_t*, const int64_t*, int, int, const int*, const int*, const Ahead&);
 
 }  // namespace pagecheck::tiles
 
