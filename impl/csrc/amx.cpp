@@ -28,7 +28,6 @@
 
 #include "amx_chunk.h"
 #include "amx_tiles.h"
-#include "value_pass.h"  // value_asks
 
 #if defined(PAGECHECK_AMX_BUILD)
 #include <cpuid.h>
@@ -52,6 +51,16 @@ bool ask_linux_for_tiles() {
   constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
 }
+
+// The tile walk asks for its next rows only in calls whose K/V exceed this. In turns of
+// processes on the Intel machine (bf16, 2 threads, medians), asking made B 4 S 8192 pages
+// of 16 (128 MiB) 8.95-9.12 -> 7.6-8.0 ms, pages of 128 9.1-9.4 -> 7.5-8.2 and B 16 S 32768
+// pages of 16 (2 GiB) 0.533-0.555 -> 0.553-0.589 of the read stream; B 16 S 1024 (64 MiB)
+// 3.01-3.10 against 2.98-3.10; but B 1 S 8192 (32 MiB) 1.21-1.31 -> 1.50-1.56 ms (0.92x
+// vLLM's op in a quick run), B 1 S 1024 0.105-0.112 -> 0.131-0.147, B 4 S 128 0.046-0.051 ->
+// 0.060-0.065 and B 4 S 1024 (16 MiB) 0.49-0.54 -> 0.61-0.65: from cache the asks cost more
+// than they hide, as for the FMA value pass (value_asks), up to a larger size here.
+constexpr int64_t kTileAskKvBytes = int64_t{64} << 20;
 
 std::atomic<int64_t>& walks_asking() {
   static std::atomic<int64_t> n{0};
@@ -301,11 +310,7 @@ void amx_attend_chunk(const Problem& pr, const uint16_t* kpool, const uint16_t* 
   // rows as A tiles (key_scores), so K is read once and never packed.
   const bool keys_direct = c.RT == 1;
   task.reshape(keys_direct ? 16 : M);
-  // Asks only where the call's K/V outgrow the cache, as the FMA decode's value pass
-  // (value_asks): in turns of processes (bf16, 2 threads, Intel with AMX), asking made
-  // B 16 S 1024 pages of 16 (64 MiB) 3.6-4.1 -> 2.9-3.1 ms and B 4 S 8192 pages of 128
-  // 9.1-10.6 -> 7.8-8.4, but B 1 S 1024 0.105-0.112 -> 0.131-0.147, B 4 S 128 0.046-0.051
-  // -> 0.060-0.065 and B 4 S 1024 (16 MiB) 0.49-0.54 -> 0.61-0.65.
+  // Asks only where the call's K/V exceed kTileAskKvBytes (why that size: there).
   const auto walk = [&]<bool kAsks>() {
     for (int u = u0; u < u1; ++u) {
       for (int h = 0; h < heads; ++h) {
@@ -321,7 +326,7 @@ void amx_attend_chunk(const Problem& pr, const uint16_t* kpool, const uint16_t* 
       }
     }
   };
-  if (value_asks(sizeof(uint16_t), pr.kv_bytes)) {
+  if (pr.kv_bytes > kTileAskKvBytes) {
     walk.template operator()<true>();
     walks_asking().fetch_add(1, std::memory_order_relaxed);  // one atomic add a chunk, for tests
   } else {

@@ -136,7 +136,7 @@ NB_MODULE(_kernels, m) {
   m.def("prefill_block_starts", &pagecheck::prefill_block_starts, "L"_a,
         "For tests: where a prefill's query blocks start, in the order a KV head's blocks are handed out.");
   m.def("tile_walks_asking", &pagecheck::tile_walks_asking,
-        "For tests: chunks the bfloat16 tile walk read asking for its next rows (K/V beyond the cache) since load.");
+        "For tests: chunks the bfloat16 tile walk read asking for its next rows (K/V beyond 64 MiB) since load.");
   m.def("transposed_pairs_scored", &pagecheck::transposed_pairs_scored,
         "For tests: pairs of K blocks prefills scored together since load.");
   m.def("pair_dots_refusals", &pagecheck::pair_dots_refusals,

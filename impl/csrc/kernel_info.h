@@ -57,7 +57,7 @@ void set_transposed_pairs(bool on);
 int64_t transposed_pairs_scored();
 void count_transposed_pairs(int64_t pairs);
 // For tests: chunks the bfloat16 tile walk (amx.cpp) read asking for its next rows (a
-// call whose K/V outgrow the cache: value_asks) since the module was loaded.
+// call whose K/V exceed 64 MiB: kTileAskKvBytes, amx.cpp) since the module was loaded.
 int64_t tile_walks_asking();
 // For tests: query rows a prefill's value passes weighed in full groups of kWeighRows
 // (weigh_by_group: rows whose keys of a chunk start together, over the keys all of them
