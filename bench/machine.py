@@ -29,6 +29,7 @@ import pagecheck_kernels
 
 import impl
 from impl.runtime import KERNEL_STREAM
+from peers import cpuinfo
 
 MIN_READ_BYTES = 256 * 10**6
 SGEMM_N = 2048
@@ -153,24 +154,12 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _cpuinfo(field: str) -> str | None:
-    """The first CPU's `field` in /proc/cpuinfo (None where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.split(":", 1)[0].strip() == field:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def _cpu_model() -> str:
     """The model name and, where the name alone does not tell the core (a VM's "AMD EPYC"
     is Zen 4 or Zen 5, whose 512-bit FMAs and so whose loops differ), its cpuid family
     and model: "AMD EPYC (family 26, model 2)"."""
-    name = _cpuinfo("model name") or platform.processor() or platform.machine()
-    family, model = _cpuinfo("cpu family"), _cpuinfo("model")
+    name = cpuinfo("model name") or platform.processor() or platform.machine()
+    family, model = cpuinfo("cpu family"), cpuinfo("model")
     return f"{name} (family {family}, model {model})" if family and model else name
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from peers import cpu_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 # The kernels' flags (CMakeLists.txt: PAGECHECK_OPT_LEVEL, the bitwise flags, PAGECHECK_NATIVE):
 # the loop's code is only the kernel's when it is compiled as the kernel is.
@@ -227,7 +229,7 @@ def test_bf16_rows_widen_with_one_permute(program):
     high half of its lane, zeros below), not a zero-extension and a shift: on the AMD
     machine the second op made a bf16 decode slower than a float32 one (B 1 S 1024 pages
     of 16, 2 threads, 0.179 -> 0.137-0.178 ms with one op; README). Same values: exact."""
-    if "avx512bw" not in Path("/proc/cpuinfo").read_text(errors="replace"):
+    if "avx512bw" not in cpu_flags():
         pytest.skip("no AVX512-BW here: the widening keeps its shift")
     code = score_loop_code(program, "BF16")
     assert code, f"{SCORE_LOOP.format('BF16')}...) is not a function of its own in the build"

@@ -37,16 +37,21 @@ def need(module: str, why: str):
 VLLM_CPU_ISA = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """The instruction-set flags Linux lists for the first CPU (empty where it lists none)."""
+def cpuinfo(field: str, path: str = "/proc/cpuinfo") -> str | None:
+    """The first CPU's `field` in /proc/cpuinfo (None where there is none)."""
     try:
-        with open(cpuinfo) as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The instruction-set flags Linux lists for the first CPU (empty where it lists none)."""
+    return set((cpuinfo("flags", path) or "").split())
 
 
 def need_isa(required: tuple[str, ...], why: str, flags: set[str] | None = None) -> None:

@@ -9,20 +9,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from peers import cpuinfo
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def amd_cpu() -> bool:
-    return "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    return cpuinfo("vendor_id") == "AuthenticAMD"
 
 
 def cpu_family() -> int:
     """The CPU's display family as Linux reads it from cpuid (/proc/cpuinfo "cpu family":
     AMD's Zen 4 0x19, Zen 5 0x1A; Intel's cores 6)."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("cpu family"):
-            return int(line.split(":", 1)[1])
-    raise LookupError("/proc/cpuinfo names no cpu family")
+    family = cpuinfo("cpu family")
+    if family is None:
+        raise LookupError("/proc/cpuinfo names no cpu family")
+    return int(family)
 
 
 def enabled_in_a_fresh_process(query: str, variable: str, value: str | None) -> bool:
