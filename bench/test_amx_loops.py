@@ -43,8 +43,12 @@ def test_every_variant_reports_a_rate(program):
     assert all(float(r) > 0 for r in rates.values()), run.stdout
 
 
-# The walk's loops, by whether they ask (amx_chunk.h: pack_keys, pack_values, key_scores<kAsks>).
-WALK_LOOPS = ("pack_keys", "pack_values", "key_scores")
+# The walk's loops, by whether they ask (amx_chunk.h: pack_keys, pack_values<kAsks>). A decode's
+# key_scores reads K by tile loads alone and asks for nothing: pack_values asks for the next
+# item's K lines beside its V lines, two of each a step (Ahead::kpool).
+WALK_LOOPS = ("pack_keys", "pack_values")
+SILENT_LOOP = "<pagecheck::tiles::key_scores("  # not a template: objdump names no return type
+VALUE_ASKS = 4
 TILE_MARCH = "-march=sapphirerapids"  # AMX and AVX512-BF16: the tile path's code on any x86 build host
 
 
@@ -66,5 +70,10 @@ def test_walk_asks_in_its_code(tmp_path):
             asks[(loop, kind)] = sum(bool(re.search(r"\bprefetcht[012]\b", t)) for t in code)
     silent = [loop for loop in WALK_LOOPS if asks[(loop, "true")] == 0]
     assert not silent, f"the asking walk's loops ask for nothing: {silent}"
+    assert asks[("pack_values", "true")] >= VALUE_ASKS, \
+        f"pack_values<true> asks {asks[('pack_values', 'true')]} times: not for the next item's K lines beside its V lines"
+    key_code = score_loop_code(obj, loop=SILENT_LOOP)
+    assert key_code, "key_scores is not a function of its own in amx_walk.o"
+    assert not any(re.search(r"\bprefetcht[012]\b", t) for t in key_code), "key_scores asks between its tile loads"
     asking = [loop for loop in WALK_LOOPS if asks[(loop, "false")] > 0]
     assert not asking, f"the walk's loops without asks ask: {asking}"

@@ -7,6 +7,7 @@ its own. Skipped where the AMX tiles are not supported (tests/tile_path.py).
 | ... and with a negative scale                                 | test_tiles_meet_the_tolerance_with_a_n... |
 | the switch really changes the arithmetic; off is the FMA path | test_switch_chooses_the_arithmetic        |
 | every prefill row equals its decode (invariant 8), windows,   | test_prefill_rows_equal_their_decode      |
+| groups of 1-4 (scores by permutes) and 8 (by gathers),        |                                           |
 | and sums that the tiles flush to zero                         | test_flushed_sums_stay_equal              |
 | keys in place (decode) and packed (prefill) give equal rows   | test_schedules_agree_on_tiles             |
 | thread and batch invariance (invariants 6, 7)                 | test_thread_and_batch_invariance          |
@@ -109,12 +110,15 @@ def test_env_var_switches_the_tiles_off():
     assert out.strip() == "False"
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("window", [None, 100])
-def test_prefill_rows_equal_their_decode(window):
+def test_prefill_rows_equal_their_decode(window, group):
     """Invariant 8 on the tiles: rows at chunk and slab edges, with and without a window
-    (rows of one tile pair see different first keys)."""
-    prefill = paged_case(context_lens=[530, 0], query_len=530, q_heads=4, kv_heads=2, head_dim=64, page_size=16,
-                         window=window, dtype="bfloat16", seed=8)
+    (rows of one tile pair see different first keys). A decode's scores come out of S^T
+    tiles of 4 columns by permutes for groups up to 4 (the last of a pair of rows alone
+    for 1 and 3) and by gathers out of 16 columns for 8 (amx_walk.cpp key_scores)."""
+    prefill = paged_case(context_lens=[530, 0], query_len=530, q_heads=2 * group, kv_heads=2, head_dim=64,
+                         page_size=16, window=window, dtype="bfloat16", seed=8)
     with tile_path(True):
         out = prefill.run(impl.paged_attention)
         for l in [0, 1, 31, 32, 255, 256, 257, 511, 512, 529]:

@@ -241,17 +241,17 @@ void set_amx(bool on) {
 
 AmxTask::AmxTask(int m) : m_(m) {}
 
-void AmxTask::reshape(int rows) {
-  if (rows == shape_) return;
-  shape_ = rows;
+void AmxTask::reshape(int rows, int cols) {
+  if (rows * 32 + cols == shape_) return;  // rows, cols <= 16
+  shape_ = rows * 32 + cols;
   TileConfig cfg;
-  for (int t = 0; t < 6; ++t) {  // C tiles tmm0-3, A tiles tmm4-5
+  for (int t = 0; t < 6; ++t) {  // C tiles tmm0-3 (cols floats), A tiles tmm4-5
     cfg.rows[t] = static_cast<uint8_t>(rows);
-    cfg.colsb[t] = kTileRowBytes;
+    cfg.colsb[t] = static_cast<uint16_t>(t < 4 ? cols * 4 : kTileRowBytes);
   }
-  for (int t = 6; t < 8; ++t) {  // B tiles: 16 rows (d pairs or key pairs)
+  for (int t = 6; t < 8; ++t) {  // B tiles: 16 rows (d pairs or key pairs) of cols pairs
     cfg.rows[t] = 16;
-    cfg.colsb[t] = kTileRowBytes;
+    cfg.colsb[t] = static_cast<uint16_t>(cols * 4);
   }
   asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
 }
@@ -307,10 +307,12 @@ void amx_attend_chunk(const Problem& pr, const uint16_t* kpool, const uint16_t* 
   // Slab by slab, each head's K and V of it: the pool is read in address order.
   const int u0 = (jlo - c.c0) / kSlab, u1 = (jhi - 1 - c.c0) / kSlab + 1;
   // One row tile per head (decode): the scores are taken on this walk, from the pool's K
-  // rows as A tiles (key_scores), so K is read once and never packed.
+  // rows as A tiles (key_scores), so K is read once and never packed; S^T tiles of 16 keys,
+  // of 4 columns for up to 4 rows a head (key_scores' permutes).
   const bool keys_direct = c.RT == 1;
-  task.reshape(keys_direct ? 16 : M);
-  // Asks only where the call's K/V exceed kTileAskKvBytes (why that size: there).
+  task.reshape(keys_direct ? 16 : M, keys_direct && c.N <= kNarrowRows ? kNarrowRows : 16);
+  // Asks only where the call's K/V exceed kTileAskKvBytes (why that size: there). A decode's
+  // value loop asks for the next item's K rows too (Ahead::kpool).
   const auto walk = [&]<bool kAsks>() {
     for (int u = u0; u < u1; ++u) {
       for (int h = 0; h < heads; ++h) {
@@ -318,7 +320,8 @@ void amx_attend_chunk(const Problem& pr, const uint16_t* kpool, const uint16_t* 
         if (h + 1 < heads) ahead = {h + 1, u};
         else if (u + 1 < u1) ahead = {0, u + 1};
         if (keys_direct) {
-          key_scores<kAsks>(c, kpool, off, h, u, clo, chi, ahead);
+          ahead.kpool = kpool;
+          key_scores(c, kpool, off, h, u, clo, chi);
         } else {
           for (int blk = 2 * u; blk < 2 * u + 2; ++blk) pack_keys<kAsks>(c, kpool, off, h, blk, ahead);
         }
@@ -346,7 +349,7 @@ void set_amx(bool on) {
 }
 AmxTask::AmxTask(int m) : m_(m) {}
 AmxTask::~AmxTask() = default;
-void AmxTask::reshape(int rows) { shape_ = rows; }
+void AmxTask::reshape(int rows, int cols) { shape_ = rows * 32 + cols; }
 void amx_load_queries(const Problem&, const uint16_t*, int, const int*, const int*, int, int, const AmxTask&,
                       Scratch&) {
   throw std::logic_error("amx_load_queries: no tile path in this build");

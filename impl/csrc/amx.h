@@ -54,8 +54,9 @@ class AmxTask {
   AmxTask(const AmxTask&) = delete;
   AmxTask& operator=(const AmxTask&) = delete;
   int rows() const { return m_; }
-  // A and C tiles of `rows` rows from now on (no-op if they already have them).
-  void reshape(int rows);
+  // A and C tiles of `rows` rows, C and B tiles of `cols` columns, from now on (no-op if
+  // they already have them).
+  void reshape(int rows, int cols = 16);
 
  private:
   int m_, shape_ = 0;

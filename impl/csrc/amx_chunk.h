@@ -21,6 +21,7 @@ constexpr int kSlab = 32;                       // keys per V slab (the K side o
 constexpr int kBlocks = kChunk / kKeyTile;      // K blocks per chunk
 constexpr int kSlabs = kChunk / kSlab;          // V slabs per chunk
 constexpr int kScoreCols = kChunk + kKeyTile;   // a score row: key j at column j - c0
+constexpr int kNarrowRows = 4;                  // rows a head up to which a decode's S^T tiles have 4 columns
 
 // Where one chunk's operands live in the task's scratch.
 struct Chunk {
@@ -55,8 +56,16 @@ inline const uint16_t* key_row(const Chunk& c, const uint16_t* pool, const int64
 // code). Rows outside [jlo, jhi) are the zero row, asked for by nobody. Asking: a bf16
 // decode from DRAM (B 16 S 32768 pages of 16, 2 threads, Intel with AMX, builds in turns
 // of processes) 0.533-0.555 -> 0.553-0.589 of the read stream beside it.
+//
+// kpool: a decode's K pool, whose rows of the next item pack_values asks for beside V's.
+// key_scores reads K by tile loads only, with no vector loop to spread asks over: asked
+// there, all of a step's or block's lines at once, the asks held the line fill buffers
+// while the tile work waited on them (B 16 S 32768 pages of 16 in turns of processes:
+// 0.553-0.588 of the read stream asked in key_scores, 0.60-0.65 asked in pack_values;
+// between key_scores' tile steps instead, 0.556-0.599).
 struct Ahead {
   int h = -1, u = 0;
+  const uint16_t* kpool = nullptr;
   [[gnu::always_inline]] void ask(const Chunk& c, const uint16_t* pool, const int64_t* off, int key, int d) const {
     const int j = c.c0 + u * kSlab + key;
     if (h >= 0 && j >= c.jlo && j < c.jhi)
@@ -92,16 +101,14 @@ inline int first_slab(const Chunk& c, const TilePair& t) { return (t.a - c.c0) /
 inline int end_slab(const Chunk& c, const TilePair& t) { return (t.z - 1 - c.c0) / kSlab + 1; }
 
 // The walk (amx_walk.cpp): K and V of [jlo, jhi) from the pool into the chunk's tiles,
-// or, for a decode, K straight from the pool into the scores; with kAsks, each asks for
-// the walk's next item (Ahead), and without, its loops hold no trace of the asks.
+// or, for a decode, K straight from the pool into the scores; with kAsks, the packing
+// loops ask for the walk's next item (Ahead), and without, they hold no trace of the asks.
 template <bool kAsks>
 void pack_keys(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int blk, const Ahead& ahead);
 template <bool kAsks>
 void pack_values(Chunk& c, const uint16_t* vpool, const int64_t* off, int h, int u, const Ahead& ahead);
 void place_units(Chunk& c, const uint16_t* kpool, const uint16_t* vpool, const int64_t* off, int heads);
-template <bool kAsks>
-void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int u, const int* clo,
-                const int* chi, const Ahead& ahead);
+void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int u, const int* clo, const int* chi);
 
 }  // namespace pagecheck::tiles
 

@@ -48,6 +48,10 @@ void pack_values(Chunk& c, const uint16_t* vpool, const int64_t* off, int h, int
       if constexpr (kAsks) {
         ahead.ask(c, vpool, off, 2 * i, 32 * x);
         ahead.ask(c, vpool, off, 2 * i + 1, 32 * x);
+        if (ahead.kpool != nullptr) {
+          ahead.ask(c, ahead.kpool, off, 2 * i, 32 * x);
+          ahead.ask(c, ahead.kpool, off, 2 * i + 1, 32 * x);
+        }
       }
       _mm512_storeu_si512(dst + (2 * x) * kTileElems + i * 32, _mm512_permutex2var_epi16(va, lo, vb));
       _mm512_storeu_si512(dst + (2 * x + 1) * kTileElems + i * 32, _mm512_permutex2var_epi16(va, hi, vb));
@@ -99,15 +103,50 @@ void place_units(Chunk& c, const uint16_t* kpool, const uint16_t* vpool, const i
   }
 }
 
+namespace {
+
+// Score rows n < N of head h, keys of block blk, from the block's S^T tile of 4 columns
+// stored as [16 keys][4 rows] at z: z[i] lane 4 k + n holds key 4 i + k of row n. For
+// each pair of rows, one permute takes both rows' keys 0-7 (lanes 0-7, 8-15), one their
+// keys 8-15, and two put each row's 16 keys together.
+void narrow_rows(Chunk& c, int h, int blk, const float* z) {
+  alignas(64) static constexpr int kPairs[2][16] = {{0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29},
+                                                    {2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31}};
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512 z0 = _mm512_load_ps(z), z1 = _mm512_load_ps(z + 16), z2 = _mm512_load_ps(z + 32),
+               z3 = _mm512_load_ps(z + 48);
+  for (int n = 0; n < c.N; n += 2) {
+    const __m512i pick = _mm512_load_si512(kPairs[n / 2]);
+    const __m512 lo = _mm512_permutex2var_ps(z0, pick, z1), hi = _mm512_permutex2var_ps(z2, pick, z3);
+    _mm512_storeu_ps(c.score_row(c.padded(h, n)) + blk * kKeyTile, _mm512_permutex2var_ps(lo, first, hi));
+    if (n + 1 < c.N)  // row N of a head is the next head's first row: never written here
+      _mm512_storeu_ps(c.score_row(c.padded(h, n + 1)) + blk * kKeyTile, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+
+// The same from a tile of 16 columns stored as [16 keys][16 rows] at z: a gather of 16
+// elements a row.
+void gathered_rows(Chunk& c, int h, int blk, const float* z) {
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int n = 0; n < c.N; ++n)
+    _mm512_storeu_ps(c.score_row(c.padded(h, n)) + blk * kKeyTile, _mm512_i32gather_ps(column, z + n, 4));
+}
+
+}  // namespace
+
 // The scores of head h's rows (one row tile: a decode) for the keys of slab u, as
 // S^T = K Q^T: the A tiles are 16 K rows straight from the pool (or copied, where 16
 // keys are not one run of rows), the B tile Q^T (amx_load_queries). Element (key, row)
 // of S^T takes the same products in the same order as (row, key) of S = Q K^T, and the
 // tiles give the same bits either way round (checked bit for bit: the decode and
-// prefill schedules agree, test_amx). Needs A and C tiles of 16 rows (task.reshape).
-template <bool kAsks>
-void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int u, const int* clo,
-                const int* chi, const Ahead& ahead) {
+// prefill schedules agree, test_amx). Needs A and C tiles of 16 rows, C and B tiles of 4
+// columns where N <= kNarrowRows and 16 otherwise (task.reshape): the rows' scores
+// come out of 4 columns by permutes (narrow_rows), where gathering them out of 16 took a
+// vgatherdps a row and block. In turns of processes, against the gathers (bf16, pages of
+// 16, G 4): B 4 S 1024 0.625-0.630 -> 0.496-0.591 ms, B 16 S 1024 2.73-2.78 -> 2.31-2.58 ms,
+// B 16 S 32768 0.60-0.62 -> 0.63-0.67 of the read stream.
+void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int u, const int* clo, const int* chi) {
   const TilePair t = tile_pair(c, h, 0, clo, chi);  // the head's one row tile
   const int blk0 = std::max(2 * u, first_block(c, t)), blk1 = std::min(2 * u + 2, end_block(c, t));
   if (t.a >= t.z || blk0 >= blk1) return;
@@ -128,24 +167,20 @@ void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int 
         std::memcpy(copy + k * c.pr.D, key_row(c, kpool, off, h, c.c0 + blk * kKeyTile + k), c.pr.D * sizeof(uint16_t));
       src[blk - blk0] = copy;
     }
-    if constexpr (kAsks)
-      for (int k = 0; k < kKeyTile; ++k)
-        for (int d = 0; d < c.pr.D; d += 32) ahead.ask(c, kpool, off, (blk % 2) * kKeyTile + k, d);
   }
-  float* tmp = c.s.tile_c.data();  // [2 blocks][16 keys][16 rows]
-  float* const dst[2][2] = {{tmp, tmp}, {tmp + 256, tmp + 256}};
+  const bool narrow = c.N <= kNarrowRows;
+  const int tile_floats = kKeyTile * (narrow ? kNarrowRows : 16);
+  float* tmp = c.s.tile_c.data();  // [2 blocks][16 keys][4 or 16 rows]
+  float* const dst[2][2] = {{tmp, tmp}, {tmp + tile_floats, tmp + tile_floats}};
   const uint16_t* qt = c.s.tile_qt.data() + static_cast<int64_t>(h) * c.S * kTileElems;
   with_shape(blk1 - blk0, 1, [&]<int NA, int NB>() {
     tiles_zero<NA, NB>();
     tiles_steps<NA, NB>(src[0], src[NA - 1], c.pr.D * 2, 32, qt, qt, kTileElems, c.S);
-    tiles_store<NA, NB>(dst, 64);
+    tiles_store<NA, NB>(dst, tile_floats / kKeyTile * 4);
   });
-  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   for (int blk = blk0; blk < blk1; ++blk) {
-    for (int n = 0; n < c.N; ++n) {
-      const __m512 keys = _mm512_i32gather_ps(column, tmp + 256 * (blk - blk0) + n, 4);
-      _mm512_storeu_ps(c.score_row(c.padded(h, n)) + blk * kKeyTile, keys);
-    }
+    if (narrow) narrow_rows(c, h, blk, tmp + tile_floats * (blk - blk0));
+    else gathered_rows(c, h, blk, tmp + tile_floats * (blk - blk0));
   }
 }
 
@@ -153,8 +188,6 @@ template void pack_keys<true>(Chunk&, const uint16_t*, const int64_t*, int, int,
 template void pack_keys<false>(Chunk&, const uint16_t*, const int64_t*, int, int, const Ahead&);
 template void pack_values<true>(Chunk&, const uint16_t*, const int64_t*, int, int, const Ahead&);
 template void pack_values<false>(Chunk&, const uint16_t*, const int64_t*, int, int, const Ahead&);
-template void key_scores<true>(Chunk&, const uint16_t*, const int64_t*, int, int, const int*, const int*, const Ahead&);
-template void key_scores<false>(Chunk&, const uint16_t*, const int64_t*, int, int, const int*, const int*, const Ahead&);
 
 }  // namespace pagecheck::tiles
 
