@@ -60,9 +60,10 @@ inline const uint16_t* key_row(const Chunk& c, const uint16_t* pool, const int64
 // kpool: a decode's K pool, whose rows of the next item pack_values asks for beside V's.
 // key_scores reads K by tile loads only, with no vector loop to spread asks over: asked
 // there, all of a step's or block's lines at once, the asks held the line fill buffers
-// while the tile work waited on them (B 16 S 32768 pages of 16 in turns of processes:
-// 0.553-0.588 of the read stream asked in key_scores, 0.60-0.65 asked in pack_values;
-// between key_scores' tile steps instead, 0.556-0.599).
+// while the tile work waited on them (B 16 S 32768 pages of 16 in turns of processes,
+// before key_scores' 4-column tiles: 0.553-0.588 of the read stream asked in key_scores,
+// 0.60-0.67 asked in pack_values, 0.556-0.599 asked between key_scores' tile steps; with
+// those tiles, 0.63-0.66 against 0.58-0.61 with no asks for K at all).
 struct Ahead {
   int h = -1, u = 0;
   const uint16_t* kpool = nullptr;
