@@ -44,7 +44,8 @@ inline bool amx_applies(const Problem& pr) { return pr.D % 32 == 0 && pr.Dv == p
 
 // Tile state of one task on the thread that runs it: row tiles of m query rows (m <=
 // 16). amx_attend_chunk loads the configuration (reshape: A and C tiles of 16 rows for a
-// decode's key walk, m rows otherwise; B tiles 16 x 64 bytes) only as it changes.
+// decode's key walk, m rows otherwise; B tiles of 16 rows; C and B tiles of 4 columns for
+// the key walk of a head of up to 4 rows, 16 otherwise) only as it changes.
 // Released when the task ends, so an idle worker carries no tile state across context
 // switches.
 class AmxTask {
