@@ -310,7 +310,7 @@ void amx_attend_chunk(const Problem& pr, const uint16_t* kpool, const uint16_t* 
   // rows as A tiles (key_scores), so K is read once and never packed; S^T tiles of 16 keys,
   // of 4 columns for up to 4 rows a head (key_scores' permutes).
   const bool keys_direct = c.RT == 1;
-  task.reshape(keys_direct ? 16 : M, keys_direct && c.N <= kNarrowRows ? kNarrowRows : 16);
+  task.reshape(keys_direct ? 16 : M, keys_direct ? key_tile_cols(c) : 16);
   // Asks only where the call's K/V exceed kTileAskKvBytes (why that size: there). A decode's
   // value loop asks for the next item's K rows too (Ahead::kpool).
   const auto walk = [&]<bool kAsks>() {

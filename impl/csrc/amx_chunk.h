@@ -21,7 +21,7 @@ constexpr int kSlab = 32;                       // keys per V slab (the K side o
 constexpr int kBlocks = kChunk / kKeyTile;      // K blocks per chunk
 constexpr int kSlabs = kChunk / kSlab;          // V slabs per chunk
 constexpr int kScoreCols = kChunk + kKeyTile;   // a score row: key j at column j - c0
-constexpr int kNarrowRows = 4;                  // rows a head up to which a decode's S^T tiles have 4 columns
+constexpr int kNarrowRows = 4;                  // a decode's heads of up to this many rows: S^T tiles of 4 columns
 
 // Where one chunk's operands live in the task's scratch.
 struct Chunk {
@@ -41,6 +41,11 @@ struct Chunk {
   uint16_t* weight_row(int p) { return s.tile_p.data() + static_cast<int64_t>(p) * kChunk; }
   const uint16_t* query_row(int p) const { return s.tile_q.data() + static_cast<int64_t>(p) * pr.D; }
 };
+
+// Columns of a decode's S^T tiles, one per row of a head: 4 for heads of up to kNarrowRows
+// rows, else 16. The tile configuration (amx.cpp, task.reshape) and key_scores' read-back
+// of the stored tiles (amx_walk.cpp) both take this one rule.
+inline int key_tile_cols(const Chunk& c) { return c.N <= kNarrowRows ? kNarrowRows : 16; }
 
 // The pool row of key j of KV head h, or a row of zeros outside [jlo, jhi).
 inline const uint16_t* key_row(const Chunk& c, const uint16_t* pool, const int64_t* off, int h, int j) {

@@ -140,8 +140,8 @@ void gathered_rows(Chunk& c, int h, int blk, const float* z) {
 // keys are not one run of rows), the B tile Q^T (amx_load_queries). Element (key, row)
 // of S^T takes the same products in the same order as (row, key) of S = Q K^T, and the
 // tiles give the same bits either way round (checked bit for bit: the decode and
-// prefill schedules agree, test_amx). Needs A and C tiles of 16 rows, C and B tiles of 4
-// columns where N <= kNarrowRows and 16 otherwise (task.reshape): the rows' scores
+// prefill schedules agree, test_amx). Needs A and C tiles of 16 rows, C and B tiles of
+// key_tile_cols columns (task.reshape): the rows' scores
 // come out of 4 columns by permutes (narrow_rows), where gathering them out of 16 took a
 // vgatherdps a row and block. In turns of processes, against the gathers (bf16, pages of
 // 16, G 4): B 4 S 1024 0.625-0.630 -> 0.496-0.591 ms, B 16 S 1024 2.73-2.78 -> 2.31-2.58 ms,
@@ -168,18 +168,17 @@ void key_scores(Chunk& c, const uint16_t* kpool, const int64_t* off, int h, int 
       src[blk - blk0] = copy;
     }
   }
-  const bool narrow = c.N <= kNarrowRows;
-  const int tile_floats = kKeyTile * (narrow ? kNarrowRows : 16);
+  const int cols = key_tile_cols(c), tile_floats = kKeyTile * cols;
   float* tmp = c.s.tile_c.data();  // [2 blocks][16 keys][4 or 16 rows]
   float* const dst[2][2] = {{tmp, tmp}, {tmp + tile_floats, tmp + tile_floats}};
   const uint16_t* qt = c.s.tile_qt.data() + static_cast<int64_t>(h) * c.S * kTileElems;
   with_shape(blk1 - blk0, 1, [&]<int NA, int NB>() {
     tiles_zero<NA, NB>();
     tiles_steps<NA, NB>(src[0], src[NA - 1], c.pr.D * 2, 32, qt, qt, kTileElems, c.S);
-    tiles_store<NA, NB>(dst, tile_floats / kKeyTile * 4);
+    tiles_store<NA, NB>(dst, cols * 4);
   });
   for (int blk = blk0; blk < blk1; ++blk) {
-    if (narrow) narrow_rows(c, h, blk, tmp + tile_floats * (blk - blk0));
+    if (cols == kNarrowRows) narrow_rows(c, h, blk, tmp + tile_floats * (blk - blk0));
     else gathered_rows(c, h, blk, tmp + tile_floats * (blk - blk0));
   }
 }
